@@ -1,0 +1,18 @@
+"""fastft: Triton kernels, with torch references, for the glue between the big kernels of LLM fine-tuning."""
+
+import importlib.util as _ilu
+import sys as _sys
+from pathlib import Path as _Path
+
+if _ilu.find_spec(__name__ + ".kernels") is None:
+    # Source checkout (not installed): kernels/ beside this package is fastft.kernels, as an install maps it.
+    _dir = _Path(__file__).resolve().parent.parent / "kernels"
+    _spec = _ilu.spec_from_file_location(__name__ + ".kernels", _dir / "__init__.py", submodule_search_locations=[str(_dir)])
+    _sys.modules[_spec.name] = _mod = _ilu.module_from_spec(_spec)
+    _spec.loader.exec_module(_mod)
+
+from . import dispatch  # noqa: E402
+from .packing import PackedSeqInfo, document_mask_mod, packed_seq_info  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["PackedSeqInfo", "document_mask_mod", "packed_seq_info", "dispatch"]

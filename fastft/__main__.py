@@ -1,0 +1,145 @@
+"""``python -m fastft info | check | bench | tune`` (see README).
+
+On a machine without a GPU, the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1 is set
+before anything imports Triton) with small sizes, and every command says which backend ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import fastft  # noqa: E402
+from fastft import autotune, dispatch  # noqa: E402
+
+
+def _device(name: str | None) -> torch.device:
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _versions() -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version, "fastft": fastft.__version__}
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} ({dispatch.arch(device)})"
+    return f"{platform.processor() or platform.machine()} CPU" + (" (Triton interpreter)" if dispatch.interpreting() else "")
+
+
+def cmd_info(args) -> int:
+    device = _device(args.device)
+    print(f"device: {_describe(device)}")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in _versions().items()))
+    print(f"FASTFT_BACKEND={os.environ.get('FASTFT_BACKEND', 'auto')}  TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+    print(f"autotune cache: {autotune.cache_path(dispatch.arch(device))}")
+    for op in sorted(dispatch.OPS):
+        _, hit = autotune.lookup(op, device, 16384)
+        print(f"  {op:28s} backend={dispatch.backend_for(op, device)}  autotune={'hit' if hit else 'defaults'}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from fastft import testing
+
+    device = _device(args.device)
+    max_tokens = args.max_tokens or (2048 if device.type == "cuda" else 96)
+    g = torch.Generator().manual_seed(args.seed if args.seed is not None else int(time.time_ns() % 2**62))
+    print(f"check on {_describe(device)}: triton vs torch, up to {max_tokens} tokens, {args.seconds}s, seed {g.initial_seed()}")
+    runs = failures = 0
+    deadline = time.monotonic() + args.seconds
+    while time.monotonic() < deadline or runs == 0:
+        for name, check in testing.CHECKS.items():
+            runs += 1
+            try:
+                check(g, device, max_tokens)
+            except AssertionError as e:
+                failures += 1
+                print(f"MISMATCH in {name}: {e}")
+    print(f"{runs} cases, {failures} failures")
+    return 1 if failures else 0
+
+
+def cmd_bench(args) -> int:
+    from fastft.bench import common
+    from fastft.bench import packing as bench_packing
+
+    device = _device(args.device)
+    quick = args.quick or device.type != "cuda"
+    print(f"bench on {_describe(device)}" + ("  [CPU: small sizes, numbers not representative]" if device.type != "cuda" else ""))
+    rows = bench_packing.run(device, quick)
+    print(common.format_table(rows))
+    if args.json:
+        record = {
+            "date": datetime.date.today().isoformat(), "device": _describe(device), "versions": _versions(),
+            "command": " ".join(["python -m fastft"] + sys.argv[1:]),
+            "rows": [dict(r.__dict__, speedup=r.speedup) for r in rows],
+        }
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from fastft.bench import common
+    from fastft.bench import packing as bench_packing
+
+    device = _device(args.device)
+    if device.type != "cuda":
+        print("tune measures launch parameters on a GPU; no CUDA device here", file=sys.stderr)
+        return 2
+    results: dict = {}
+    for op, (sizes, candidates, make) in bench_packing.tune_specs(device).items():
+        results[op] = {}
+        for size in sizes:
+            launch = make(size)
+            timed = [(common.time_ms(lambda: launch(cfg), device, rep_ms=50), cfg) for cfg in candidates]
+            best_ms, best = min(timed, key=lambda x: x[0])
+            results[op][str(autotune.bucket(size))] = best
+            print(f"{op:28s} size={size:8d} best {best} {best_ms:.4f} ms (of {len(candidates)})")
+    meta = {"device": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(), "versions": _versions()}
+    print(f"wrote {autotune.write(dispatch.arch(device), results, meta)}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fastft", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("info", help="device, versions, backend and autotune entry per op")
+    p.set_defaults(fn=cmd_info)
+    p = sub.add_parser("check", help="differential fuzz: triton vs torch on random inputs")
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--max-tokens", type=int)
+    p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("bench", help="baseline vs fastft, median times and ratios")
+    p.add_argument("--quick", action="store_true", help="small sizes (always on without a GPU)")
+    p.add_argument("--json", help="also write the results to this file")
+    p.set_defaults(fn=cmd_bench)
+    p = sub.add_parser("tune", help="measure launch parameters and rewrite autotune_cache/<arch>.json")
+    p.set_defaults(fn=cmd_tune)
+    for p in sub.choices.values():
+        p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

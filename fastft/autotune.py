@@ -1,0 +1,73 @@
+"""Launch parameters per op and shape bucket, read from ``autotune_cache/<arch>.json``.
+
+File layout::
+
+    {"arch": "sm90", "device": "...", "date": "...", "versions": {...},
+     "ops": {"packing.sdpa_mask": {"16384": {"BLOCK_Q": 32, "BLOCK_K": 256, "num_warps": 4}, ...}}}
+
+A bucket is the size rounded up to a power of two. ``lookup`` takes the entry of the size's bucket, else
+of the nearest bucket of that op, else the caller's defaults. ``python -m fastft tune`` rewrites the file
+for the present GPU. ``FASTFT_AUTOTUNE_CACHE`` names another folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from . import dispatch
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+# op -> launch parameters used when the cache has no entry; each op module fills in its own.
+DEFAULTS: dict[str, dict] = {}
+
+
+def cache_dir() -> Path:
+    if "FASTFT_AUTOTUNE_CACHE" in os.environ:
+        return Path(os.environ["FASTFT_AUTOTUNE_CACHE"])
+    installed = _PACKAGE_DIR / "autotune_cache"  # wheel: the folder ships inside the package
+    return installed if installed.is_dir() else _PACKAGE_DIR.parent / "autotune_cache"
+
+
+def cache_path(arch: str) -> Path:
+    return cache_dir() / f"{arch.replace(':', '_')}.json"
+
+
+def bucket(size: int) -> int:
+    return 1 << max(0, int(size) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f).get("ops", {})
+    except FileNotFoundError:
+        return {}
+
+
+def lookup(op: str, device: torch.device, size: int) -> tuple[dict, bool]:
+    """(launch parameters, whether they came from the cache) for ``op`` at ``size`` on ``device``."""
+    defaults = DEFAULTS[op]
+    entries = _load(str(cache_path(dispatch.arch(device)))).get(op)
+    if not entries:
+        return dict(defaults), False
+    want = bucket(size)
+    key = min(entries, key=lambda k: (abs(math.log2(int(k)) - math.log2(want)), int(k)))
+    return {**defaults, **entries[key]}, True
+
+
+def write(arch: str, ops: dict, meta: dict) -> Path:
+    path = cache_path(arch)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"arch": arch, **meta, "ops": ops}, f, indent=1, sort_keys=True)
+        f.write("\n")
+    _load.cache_clear()
+    return path

@@ -1,0 +1,75 @@
+"""Timing and reporting shared by the benchmark modules."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+
+@dataclasses.dataclass
+class Row:
+    op: str  # what was measured
+    shape: str  # the case, in words
+    baseline: str  # what fastft is compared against
+    baseline_ms: float | None  # median time of the baseline (None: not run, e.g. out of memory)
+    fastft_ms: float  # median time of fastft
+    backend: str  # backend that ran fastft
+    note: str = ""  # a bound or check that goes with the numbers
+
+    @property
+    def speedup(self) -> float | None:
+        return None if self.baseline_ms is None else self.baseline_ms / self.fastft_ms
+
+
+def time_ms(fn, device: torch.device, *, rep_ms: int = 200) -> float:
+    """Median milliseconds of ``fn()``: CUDA events via ``triton.testing.do_bench`` on a GPU, wall clock on CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+    fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1000
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 100):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def host_us(fn, iters: int = 200) -> float:
+    """Median host microseconds of ``fn()`` (no device synchronisation: what the Python caller pays)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def write_bandwidth_ms(nbytes: int, device: torch.device) -> float:
+    """Median time to write ``nbytes`` with a fill: the floor for a kernel that must write them."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return time_ms(lambda: buf.fill_(1), device)
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ("op", "shape", "baseline", "baseline ms", "fastft ms", "speedup", "backend", "note")
+    body = [
+        (
+            r.op, r.shape, r.baseline,
+            "-" if r.baseline_ms is None else f"{r.baseline_ms:.4f}",
+            f"{r.fastft_ms:.4f}",
+            "-" if r.speedup is None else f"{r.speedup:.1f}x",
+            r.backend, r.note,
+        )
+        for r in rows
+    ]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    lines = ["| " + " | ".join(str(x).ljust(w) for x, w in zip(line, widths)) + " |" for line in (head, *body)]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)

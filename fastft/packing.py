@@ -1,0 +1,445 @@
+"""Packed-sequence metadata, built once per batch and reused by every attention layer.
+
+``packed_seq_info(...)`` turns one source of document boundaries (position ids, sequence lengths or
+``cu_seqlens``) into a ``PackedSeqInfo``: ``cu_seqlens``, lengths, ``max_seqlen``, per-token document ids
+and positions, and on request the SDPA mask, the FlexAttention ``BlockMask`` and the flash-attn varlen
+arguments. Calls with the same input tensor (same object, unchanged since) return the same info, so
+calling it in every layer costs a dictionary lookup and no GPU sync.
+
+Rules (the torch reference in ``fastft/reference/packing.py`` is the specification):
+- from position ids (``[T]`` or ``[B, T]``): a document starts at the first token of each row and at
+  every token whose position id is not the previous one plus 1; documents never cross rows;
+- from lengths / ``cu_seqlens``: zero-length sequences are dropped; if the lengths cover fewer tokens than
+  ``num_tokens``, the rest is one more sequence, so ``cu_seqlens[-1]`` is always the token count;
+- query ``q`` may attend key ``k`` iff same document, ``k <= q`` and (no window or ``q - k < window``).
+
+GPU syncs: host lengths / host ``cu_seqlens`` -> none; device position ids -> none for the document ids,
+positions and masks, one the first time ``cu_seqlens``/``seq_lengths``/``max_seqlen``/``num_seqs`` is
+read; device lengths / ``cu_seqlens`` -> one (they are validated on the host); later calls -> none.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import os
+import weakref
+from typing import Sequence
+
+import torch
+
+from . import autotune, dispatch
+from ._custom_op import custom_op
+from .reference import packing as reference
+
+OP_BOUNDARIES = dispatch.register("packing.boundaries")
+OP_FROM_CU_SEQLENS = dispatch.register("packing.from_cu_seqlens")
+OP_SDPA_MASK = dispatch.register("packing.sdpa_mask")
+OP_BLOCK_TABLES = dispatch.register("packing.block_tables")
+
+autotune.DEFAULTS.update({
+    OP_BOUNDARIES: {"BLOCK": 1024, "num_warps": 4},
+    OP_FROM_CU_SEQLENS: {"BLOCK": 1024, "num_warps": 4},
+    OP_SDPA_MASK: {"BLOCK_Q": 32, "BLOCK_K": 256, "num_warps": 4},
+    OP_BLOCK_TABLES: {"num_warps": 4},
+})
+
+_INT32_MAX = 2**31 - 1
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _launch(op: str, device: torch.device, size: int) -> dict:
+    return autotune.lookup(op, device, size)[0]
+
+
+# ---- custom ops (opaque to torch.compile), with fake impls that give the output shapes -----------------
+
+
+@custom_op("fastft::packing_boundaries")
+def _boundaries_op(position_ids: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if backend == "torch":
+        return reference.boundaries_from_position_ids(position_ids)
+    from .kernels import packing as kernels
+
+    cfg = _launch(OP_BOUNDARIES, position_ids.device, position_ids.numel())
+    return kernels.boundaries_from_position_ids(position_ids, **cfg)
+
+
+@_boundaries_op.register_fake
+def _(position_ids, backend):
+    n = position_ids.numel()
+    return (
+        position_ids.new_empty(position_ids.shape, dtype=torch.int32),
+        position_ids.new_empty(position_ids.shape, dtype=torch.int64),
+        position_ids.new_empty((n + 1,), dtype=torch.int32),
+        position_ids.new_empty((2,), dtype=torch.int32),
+    )
+
+
+@custom_op("fastft::packing_from_cu_seqlens")
+def _from_cu_seqlens_op(cu_seqlens: torch.Tensor, num_tokens: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "torch" or num_tokens == 0:
+        return reference.boundaries_from_cu_seqlens(cu_seqlens, num_tokens)
+    from .kernels import packing as kernels
+
+    cfg = _launch(OP_FROM_CU_SEQLENS, cu_seqlens.device, num_tokens)
+    return kernels.boundaries_from_cu_seqlens(cu_seqlens, num_tokens, **cfg)
+
+
+@_from_cu_seqlens_op.register_fake
+def _(cu_seqlens, num_tokens, backend):
+    return cu_seqlens.new_empty((num_tokens,), dtype=torch.int32), cu_seqlens.new_empty((num_tokens,), dtype=torch.int64)
+
+
+@custom_op("fastft::packing_sdpa_mask")
+def _sdpa_mask_op(doc_ids: torch.Tensor, window: int, dtype: torch.dtype, backend: str) -> torch.Tensor:
+    if backend == "torch" or doc_ids.numel() == 0:
+        return reference.sdpa_mask(doc_ids, window, dtype)
+    from .kernels import packing as kernels
+
+    cfg = _launch(OP_SDPA_MASK, doc_ids.device, doc_ids.shape[-1])
+    return kernels.sdpa_mask(doc_ids, window, dtype, **cfg)
+
+
+@_sdpa_mask_op.register_fake
+def _(doc_ids, window, dtype, backend):
+    b, t = doc_ids.shape
+    return doc_ids.new_empty((b, 1, t, t), dtype=dtype)
+
+
+@custom_op("fastft::packing_block_tables")
+def _block_tables_op(doc_ids: torch.Tensor, window: int, block_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num [2, 2, B, 1, nb], idx [2, 2, B, 1, nb, nb]): [kv/q side, partial/full kind] of the 8 tables."""
+    if backend == "torch":
+        tables = reference.block_mask_tables(doc_ids, window, block_size)
+        return torch.stack(tables[0::2]).unflatten(0, (2, 2)), torch.stack(tables[1::2]).unflatten(0, (2, 2))
+    from .kernels import packing as kernels
+
+    cfg = _launch(OP_BLOCK_TABLES, doc_ids.device, doc_ids.shape[-1])
+    return kernels.block_mask_tables(doc_ids, window, block_size, **cfg)
+
+
+@_block_tables_op.register_fake
+def _(doc_ids, window, block_size, backend):
+    b, t = doc_ids.shape
+    nb = -(-t // block_size)
+    return doc_ids.new_empty((2, 2, b, 1, nb), dtype=torch.int32), doc_ids.new_empty((2, 2, b, 1, nb, nb), dtype=torch.int32)
+
+
+# ---- the info -----------------------------------------------------------------------------------------
+
+
+def _window(window) -> int:
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+    return max(window, 0)
+
+
+class PackedSeqInfo:
+    """Document boundaries of one packed batch. Immutable; masks are built on first request and kept.
+
+    Attributes (tensors on ``device``):
+      cu_seqlens   int32 [num_seqs + 1]: start offset of each sequence in the flattened token stream;
+                   ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == num_tokens``.
+      seq_lengths  int32 [num_seqs]: ``cu_seqlens[1:] - cu_seqlens[:-1]``, all > 0.
+      max_seqlen   int: the longest sequence (0 when there are no tokens).
+      num_seqs     int: number of sequences (documents).
+      doc_ids      int32, ``[B, T]`` for ``[B, T]`` position ids, else ``[T]``: global index of each
+                   token's document.
+      position_ids int64, same shape as ``doc_ids``: each token's position inside its document.
+      num_tokens   int: tokens in the batch (``B * T``).
+      device       torch.device of every tensor above.
+    """
+
+    __slots__ = ("num_tokens", "device", "_shape", "_backend", "_memo", "_pending", "__weakref__")
+
+    def __init__(self, *, num_tokens, device, shape, backend, memo, pending=None):
+        set_ = object.__setattr__
+        set_(self, "num_tokens", num_tokens)
+        set_(self, "device", device)
+        set_(self, "_shape", shape)  # (B, T) of the token layout
+        set_(self, "_backend", backend)  # the caller's backend= (None: FASTFT_BACKEND / auto)
+        set_(self, "_memo", memo)  # name or (kind, window, ...) -> built value
+        set_(self, "_pending", pending)  # (starts, summary) of device position ids, awaiting the one sync
+
+    def __setattr__(self, name, value):
+        raise AttributeError("PackedSeqInfo is immutable")
+
+    def __repr__(self):
+        return (
+            f"PackedSeqInfo(num_tokens={self.num_tokens}, shape={tuple(self._shape)}, device={self.device}, "
+            f"host_boundaries={'cu_seqlens' in self._memo})"
+        )
+
+    # -- boundaries
+    def _host_boundaries(self) -> None:
+        """Completes cu_seqlens & co. from device position ids with one device-to-host sync."""
+        starts, summary = self._pending
+        num_seqs, longest = summary.tolist()
+        cu = starts[: num_seqs + 1]
+        self._memo.update(
+            cu_seqlens=cu, seq_lengths=cu[1:] - cu[:-1], max_seqlen=int(longest), num_seqs=int(num_seqs)
+        )
+
+    def _get(self, name):
+        if name not in self._memo:
+            if name in ("doc_ids", "position_ids"):
+                backend = dispatch.backend_for(OP_FROM_CU_SEQLENS, self.device, self._backend)
+                doc, pos = _from_cu_seqlens_op(self._memo["cu_seqlens"], self.num_tokens, backend)
+                self._memo.update(doc_ids=doc, position_ids=pos)
+            else:
+                self._host_boundaries()
+        return self._memo[name]
+
+    cu_seqlens = property(lambda self: self._get("cu_seqlens"))
+    seq_lengths = property(lambda self: self._get("seq_lengths"))
+    max_seqlen = property(lambda self: self._get("max_seqlen"))
+    num_seqs = property(lambda self: self._get("num_seqs"))
+    doc_ids = property(lambda self: self._get("doc_ids"))
+    position_ids = property(lambda self: self._get("position_ids"))
+
+    def _doc_rows(self) -> torch.Tensor:
+        return self.doc_ids.reshape(self._shape)
+
+    # -- attention arguments
+    def sdpa_mask(self, window: int | None = None, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+        """``[B, 1, T, T]`` mask for ``scaled_dot_product_attention``.
+
+        bool: True where attention is allowed; floating ``dtype``: 0 there and -inf elsewhere.
+        ``window`` counts keys including the query itself; ``None`` or <= 0 means no window.
+        """
+        w = _window(window)
+        if not isinstance(dtype, torch.dtype) or not (dtype == torch.bool or dtype.is_floating_point):
+            raise TypeError(f"dtype must be torch.bool or a floating dtype, got {dtype}")
+        key = ("sdpa", w, dtype)
+        if key not in self._memo:
+            backend = dispatch.backend_for(OP_SDPA_MASK, self.device, self._backend)
+            self._memo[key] = _sdpa_mask_op(self._doc_rows(), w, dtype, backend)
+        return self._memo[key]
+
+    def flex_block_mask(self, window: int | None = None, block_size: int = 128):
+        """FlexAttention ``BlockMask`` of the document-causal mask (B rows, 1 head), built from the
+        boundaries by a kernel, identical to ``create_block_mask`` with the same ``mask_mod``."""
+        w = _window(window)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if self.num_tokens == 0:
+            raise ValueError("flex_block_mask needs at least one token")
+        key = ("flex", w, block_size)
+        if key not in self._memo:
+            backend = dispatch.backend_for(OP_BLOCK_TABLES, self.device, self._backend)
+            doc = self._doc_rows()
+            tables = _block_tables_op(doc, w, block_size, backend)
+            self._memo[key] = _make_block_mask(tables, doc, w, block_size)
+        return self._memo[key]
+
+    def varlen_kwargs(self, window: int | None = None) -> dict:
+        """Arguments for flash-attn's ``flash_attn_varlen_func`` (causal, flash-attn's ``(left, right)``
+        window: ``left = window - 1``, -1 for none). For ``torch.nn.attention.varlen.varlen_attn`` pass
+        ``cu_seq_q=cu_seqlens_q, cu_seq_k=cu_seqlens_k, max_q=max_seqlen_q, max_k=max_seqlen_k``."""
+        w = _window(window)
+        key = ("varlen", w)
+        if key not in self._memo:
+            self._memo[key] = {
+                "cu_seqlens_q": self.cu_seqlens,
+                "cu_seqlens_k": self.cu_seqlens,
+                "max_seqlen_q": self.max_seqlen,
+                "max_seqlen_k": self.max_seqlen,
+                "causal": True,
+                "window_size": (w - 1 if w > 0 else -1, 0),
+            }
+        return dict(self._memo[key])
+
+
+def document_mask_mod(doc_ids: torch.Tensor, window: int | None = None):
+    """FlexAttention ``mask_mod`` for ``[B, T]`` document ids: same doc, causal, optional window."""
+    w = _window(window)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        allowed = (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
+        if w > 0:
+            allowed = allowed & (q_idx - kv_idx < w)
+        return allowed
+
+    return mask_mod
+
+
+from torch.nn.attention.flex_attention import BlockMask  # noqa: E402
+
+# torch >= 2.7 can skip deriving the q tables, which the kernel already wrote.
+_HAS_COMPUTE_Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+
+
+def _make_block_mask(tables, doc_ids, window, block_size):
+    num, idx = tables
+    t = doc_ids.shape[-1]
+    kwargs = dict(BLOCK_SIZE=block_size, mask_mod=document_mask_mod(doc_ids, window), seq_lengths=(t, t))
+    kv = (num[0, 0], idx[0, 0], num[0, 1], idx[0, 1])
+    if not _HAS_COMPUTE_Q_BLOCKS:
+        return BlockMask.from_kv_blocks(*kv, **kwargs)
+    mask = BlockMask.from_kv_blocks(*kv, compute_q_blocks=False, **kwargs)
+    mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices = num[1, 0], idx[1, 0], num[1, 1], idx[1, 1]
+    return mask
+
+
+# ---- building it --------------------------------------------------------------------------------------
+
+
+def _host_ints(name: str, value) -> torch.Tensor:
+    """A 1-D int64 CPU tensor from a list/tuple of ints or a 1-D integer tensor (one sync if on a GPU)."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in _INT_DTYPES:
+            raise ValueError(f"{name} must have an integer dtype, got {value.dtype}")
+        if value.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
+        return value.detach().to("cpu", torch.int64)
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise ValueError(f"{name} must be a list/tuple of ints or a 1-D integer tensor, got {type(value).__name__}")
+    return torch.tensor(value, dtype=torch.int64).reshape(-1)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _from_host_cu(cu: torch.Tensor, num_tokens, max_seqlen, device, backend, arg: str) -> PackedSeqInfo:
+    if cu.numel() == 0 or cu[0] != 0:
+        raise ValueError(f"{arg} must start at 0")
+    lengths = cu[1:] - cu[:-1]
+    if (lengths < 0).any():
+        raise ValueError(f"{arg} must be non-decreasing")
+    total = int(cu[-1])
+    if num_tokens is None:
+        num_tokens = total
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+    if total > num_tokens:
+        raise ValueError(f"{arg} covers {total} tokens, more than num_tokens={num_tokens}")
+    if num_tokens > _INT32_MAX:
+        raise ValueError(f"num_tokens={num_tokens} does not fit int32 cu_seqlens")
+    lengths = lengths[lengths > 0]
+    if num_tokens > total:
+        lengths = torch.cat([lengths, lengths.new_tensor([num_tokens - total])])
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if max_seqlen is not None and (not isinstance(max_seqlen, int) or max_seqlen < longest):
+        raise ValueError(f"max_seqlen={max_seqlen!r} is less than the longest sequence ({longest})")
+    cu32 = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
+    cu_dev = _to_device(cu32, device)
+    memo = {
+        "cu_seqlens": cu_dev,
+        "seq_lengths": cu_dev[1:] - cu_dev[:-1],
+        "max_seqlen": longest,
+        "num_seqs": lengths.numel(),
+    }
+    return PackedSeqInfo(num_tokens=num_tokens, device=device, shape=(1, num_tokens), backend=backend, memo=memo)
+
+
+def _from_position_ids(position_ids: torch.Tensor, num_tokens, device, backend) -> PackedSeqInfo:
+    if position_ids.dtype not in _INT_DTYPES:
+        raise ValueError(f"position_ids must have an integer dtype, got {position_ids.dtype}")
+    if position_ids.dim() not in (1, 2):
+        raise ValueError(f"position_ids must be [T] or [B, T], got shape {tuple(position_ids.shape)}")
+    n = position_ids.numel()
+    if num_tokens is not None and num_tokens != n:
+        raise ValueError(f"num_tokens={num_tokens} but position_ids has {n} tokens")
+    if n > _INT32_MAX:
+        raise ValueError(f"position_ids has {n} tokens; cu_seqlens is int32, so at most {_INT32_MAX}")
+    pos = position_ids.detach().to(device)
+    if pos.dtype not in (torch.int32, torch.int64):
+        pos = pos.long()
+    pos = pos.contiguous()
+    shape = (1, n) if pos.dim() == 1 else tuple(pos.shape)
+    if n == 0:
+        empty = torch.zeros(1, dtype=torch.int32, device=device)
+        memo = {
+            "cu_seqlens": empty, "seq_lengths": empty[:0], "max_seqlen": 0, "num_seqs": 0,
+            "doc_ids": pos.new_empty(pos.shape, dtype=torch.int32),
+            "position_ids": pos.new_empty(pos.shape, dtype=torch.int64),
+        }
+        return PackedSeqInfo(num_tokens=0, device=device, shape=shape, backend=backend, memo=memo)
+    doc, out_pos, starts, summary = _boundaries_op(pos, dispatch.backend_for(OP_BOUNDARIES, device, backend))
+    memo = {"doc_ids": doc, "position_ids": out_pos}
+    return PackedSeqInfo(
+        num_tokens=n, device=device, shape=shape, backend=backend, memo=memo, pending=(starts, summary)
+    )
+
+
+_CACHE_SIZE = 16
+_cache: collections.OrderedDict = collections.OrderedDict()  # key -> (weakref to the input or None, info)
+
+
+def packed_seq_info(
+    *,
+    position_ids: torch.Tensor | None = None,
+    seq_lengths: Sequence[int] | torch.Tensor | None = None,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    num_tokens: int | None = None,
+    device: torch.device | str | None = None,
+    backend: str | None = None,
+) -> PackedSeqInfo:
+    """Boundary metadata of a packed batch from exactly one of ``position_ids``, ``seq_lengths`` or
+    ``cu_seqlens``. See the module docstring for the rules and the GPU syncs each source costs.
+
+    ``max_seqlen`` (only with ``cu_seqlens``) is checked to be at least the longest sequence.
+    ``num_tokens`` is the token count when it exceeds the lengths' sum (the rest becomes one sequence).
+    ``device`` is where the tensors go (default: the input tensor's device, CPU for lists).
+    ``backend`` overrides ``FASTFT_BACKEND`` for this info's kernels: ``auto``, ``triton`` or ``torch``.
+
+    Raises ``ValueError`` naming the argument for: not exactly one source, non-integer dtypes, negative
+    lengths, lengths summing past ``num_tokens``, ``cu_seqlens`` not starting at 0 or decreasing.
+    """
+    # Fast path for every layer after the first: the key uses the arguments as passed.
+    value = position_ids if position_ids is not None else seq_lengths if seq_lengths is not None else cu_seqlens
+    memoize = not torch.compiler.is_compiling() and not (isinstance(value, torch.Tensor) and value.is_inference())
+    if memoize:
+        try:
+            ident = (id(value), value._version) if isinstance(value, torch.Tensor) else tuple(value)
+            key = (
+                position_ids is None, seq_lengths is None, cu_seqlens is None, ident, max_seqlen, num_tokens,
+                str(device), backend, os.environ.get("FASTFT_BACKEND"),
+            )
+            hit = _cache.get(key)
+        except TypeError:  # unhashable or not iterable: let validation below name the problem
+            memoize, hit = False, None
+        if hit is not None and (hit[0] is None or hit[0]() is value):
+            return hit[1]
+
+    sources = {"position_ids": position_ids, "seq_lengths": seq_lengths, "cu_seqlens": cu_seqlens}
+    given = [k for k, v in sources.items() if v is not None]
+    if len(given) != 1:
+        raise ValueError(f"pass exactly one of position_ids, seq_lengths, cu_seqlens (got {given or 'none'})")
+    if max_seqlen is not None and cu_seqlens is None:
+        raise ValueError("max_seqlen is only taken with cu_seqlens")
+    arg = given[0]
+    if arg == "position_ids" and not isinstance(value, torch.Tensor):
+        raise TypeError(f"position_ids must be a tensor, got {type(value).__name__}")
+    dispatch.requested_backend(backend)  # validates the override before anything is built
+    if device is None:
+        device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    if arg == "position_ids":
+        info = _from_position_ids(value, num_tokens, device, backend)
+    elif arg == "seq_lengths":
+        lengths = _host_ints("seq_lengths", value)
+        if (lengths < 0).any():
+            raise ValueError("seq_lengths must be non-negative")
+        cu = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
+        info = _from_host_cu(cu, num_tokens, None, device, backend, "seq_lengths")
+    else:
+        info = _from_host_cu(_host_ints("cu_seqlens", value), num_tokens, max_seqlen, device, backend, "cu_seqlens")
+
+    if memoize:
+        _cache[key] = (weakref.ref(value) if isinstance(value, torch.Tensor) else None, info)
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    return info

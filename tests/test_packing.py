@@ -1,0 +1,234 @@
+"""fastft.packing: the reference against a brute-force reading of the rules, the Triton backend against the
+reference (hypothesis), the public API's validation, memoization and torch.compile tracing."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_block_mask
+
+import fastft
+from fastft import testing
+from fastft.reference import packing as reference
+
+# ---- the specification, spelled out in Python loops ----------------------------------------------------
+
+
+def brute_force(rows: list[list[int]], window: int):
+    docs, positions, starts = [], [], []
+    d, flat = -1, 0
+    for row in rows:
+        for j, p in enumerate(row):
+            if j == 0 or p != row[j - 1] + 1:
+                d += 1
+                starts.append(flat)
+            docs.append(d)
+            positions.append(flat - starts[-1])
+            flat += 1
+    t = len(rows[0]) if rows else 0
+    mask = [
+        [[docs[b * t + q] == docs[b * t + k] and k <= q and (window <= 0 or q - k < window) for k in range(t)] for q in range(t)]
+        for b in range(len(rows))
+    ]
+    return docs, positions, starts + [flat], mask
+
+
+@given(testing.position_ids_strategy(max_tokens=48), st.integers(-1, 8))
+def test_reference_matches_the_rules(position_ids, window):
+    rows = position_ids.reshape(-1, position_ids.shape[-1]).tolist() if position_ids.numel() else []
+    docs, positions, cu, mask = brute_force(rows, window)
+    if position_ids.numel() == 0:
+        return
+    doc, pos, starts, summary = reference.boundaries_from_position_ids(position_ids)
+    assert summary.tolist() == [docs[-1] + 1, max(positions) + 1]
+    assert doc.flatten().tolist() == docs and pos.flatten().tolist() == positions
+    assert starts.tolist() == cu + [cu[-1]] * (starts.numel() - len(cu))
+    if rows:
+        assert reference.sdpa_mask(doc.reshape(len(rows), -1), window, torch.bool)[:, 0].tolist() == mask
+
+
+def test_worked_example():
+    info = fastft.packed_seq_info(position_ids=torch.tensor([[0, 1, 2, 0, 1], [5, 6, 0, 1, 2]]), backend="torch")
+    assert info.doc_ids.tolist() == [[0, 0, 0, 1, 1], [2, 2, 3, 3, 3]]
+    assert info.position_ids.tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
+    assert info.cu_seqlens.tolist() == [0, 3, 5, 7, 10] and info.cu_seqlens.dtype == torch.int32
+    assert info.seq_lengths.tolist() == [3, 2, 2, 3] and info.max_seqlen == 3 and info.num_seqs == 4
+    m = info.sdpa_mask(window=2, dtype=torch.float32)
+    assert m.shape == (2, 1, 5, 5)
+    assert m[1, 0, 4].tolist() == [float("-inf"), float("-inf"), float("-inf"), 0.0, 0.0]
+    assert info.varlen_kwargs(2)["window_size"] == (1, 0) and info.varlen_kwargs()["window_size"] == (-1, 0)
+
+
+def test_lengths_tail_and_zero_lengths(device):
+    info = fastft.packed_seq_info(seq_lengths=[3, 0, 2], num_tokens=8, device=device)
+    assert info.cu_seqlens.tolist() == [0, 3, 5, 8] and info.num_seqs == 3 and info.max_seqlen == 3
+    assert info.doc_ids.tolist() == [0, 0, 0, 1, 1, 2, 2, 2] and info.position_ids.tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    same = fastft.packed_seq_info(cu_seqlens=torch.tensor([0, 3, 3, 5]), num_tokens=8, device=device)
+    assert same.cu_seqlens.tolist() == [0, 3, 5, 8]
+
+
+def test_no_tokens(device):
+    for info in (
+        fastft.packed_seq_info(seq_lengths=[], device=device),
+        fastft.packed_seq_info(position_ids=torch.zeros(0, dtype=torch.long, device=device)),
+    ):
+        assert info.cu_seqlens.tolist() == [0] and info.num_seqs == 0 and info.max_seqlen == 0
+        assert info.sdpa_mask().shape == (1, 1, 0, 0)
+        with pytest.raises(ValueError, match="at least one token"):
+            info.flex_block_mask()
+
+
+# ---- Triton vs torch -------------------------------------------------------------------------------------
+
+
+@given(testing.position_ids_strategy(), testing.window_strategy(), st.sampled_from([16, 32, 128]))
+def test_triton_matches_torch_from_position_ids(device, position_ids, window, block_size):
+    from fastft.packing import _boundaries_op
+
+    source = {"position_ids": position_ids.to(device)}
+    if position_ids.numel():
+        testing.differential(lambda backend: _boundaries_op(source["position_ids"].contiguous(), backend))
+    testing.differential(
+        lambda backend: testing.packing_outputs(
+            source, windows=(window,), block_sizes=(block_size,), mask_dtypes=(torch.bool, torch.float16), backend=backend
+        )
+    )
+
+
+@given(testing.seq_lengths_strategy(), testing.window_strategy(), st.booleans())
+def test_triton_matches_torch_from_lengths(device, lengths_and_tokens, window, as_cu):
+    lengths, num_tokens = lengths_and_tokens
+    values = [sum(lengths[:i]) for i in range(len(lengths) + 1)] if as_cu else lengths
+    source = {"cu_seqlens" if as_cu else "seq_lengths": values, "num_tokens": num_tokens, "device": device}
+    testing.differential(lambda backend: testing.packing_outputs(source, windows=(window,), block_sizes=(16,), backend=backend))
+
+
+@given(testing.position_ids_strategy(max_tokens=40), st.integers(0, 3), st.sampled_from([1, 2, 8]))
+def test_small_blocks_match_torch(device, position_ids, window, block_size):
+    source = {"position_ids": position_ids.to(device)}
+    testing.differential(lambda backend: testing.packing_outputs(source, windows=(window,), block_sizes=(block_size,), backend=backend))
+
+
+@given(testing.position_ids_strategy(max_rows=2, max_tokens=200), testing.window_strategy(), st.sampled_from([16, 64]))
+def test_block_mask_identical_to_create_block_mask(device, position_ids, window, block_size):
+    if position_ids.numel() == 0:
+        return
+    info = fastft.packed_seq_info(position_ids=position_ids.to(device))
+    doc = info.doc_ids.reshape(-1, position_ids.shape[-1])
+    t = doc.shape[-1]
+    expected = create_block_mask(fastft.document_mask_mod(doc, window), doc.shape[0], 1, t, t, device=device, BLOCK_SIZE=block_size)
+    got = info.flex_block_mask(window, block_size)
+    testing.assert_same({f: getattr(got, f) for f in testing.BLOCK_MASK_FIELDS}, {f: getattr(expected, f) for f in testing.BLOCK_MASK_FIELDS})
+    assert got.seq_lengths == (t, t) and got.BLOCK_SIZE == (block_size, block_size)
+
+
+def test_random_cases_like_cli_check(device):
+    g = torch.Generator().manual_seed(torch.seed())
+    for _ in range(5):
+        testing.check_packing(g, device, 96)
+
+
+def test_differential_reports_first_mismatch():
+    with pytest.raises(AssertionError, match=r"triton vs torch\['x'\]\[2\]: 5 != 3"):
+        testing.differential(lambda backend: {"x": torch.tensor([1, 2, 5 if backend == "triton" else 3])})
+    with pytest.raises(AssertionError, match="shape/dtype"):
+        testing.assert_same(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64))
+    testing.assert_same(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.001]), atol=0.01)
+    with pytest.raises(AssertionError):
+        testing.assert_same(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
+
+
+# ---- the public API --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({}, ValueError, "exactly one of"),
+        ({"seq_lengths": [1], "cu_seqlens": [0, 1]}, ValueError, "exactly one of"),
+        ({"position_ids": [0, 1]}, TypeError, "position_ids must be a tensor"),
+        ({"position_ids": torch.zeros(2, 2, 2, dtype=torch.long)}, ValueError, r"position_ids must be \[T\] or \[B, T\]"),
+        ({"position_ids": torch.zeros(3)}, ValueError, "position_ids must have an integer dtype"),
+        ({"position_ids": torch.arange(3), "num_tokens": 4}, ValueError, "num_tokens=4"),
+        ({"position_ids": torch.arange(3), "max_seqlen": 3}, ValueError, "max_seqlen is only taken with cu_seqlens"),
+        ({"seq_lengths": [2, -1]}, ValueError, "seq_lengths must be non-negative"),
+        ({"seq_lengths": [2.0, 1]}, ValueError, "seq_lengths must be a list"),
+        ({"seq_lengths": torch.tensor([2.0])}, ValueError, "seq_lengths must have an integer dtype"),
+        ({"seq_lengths": torch.tensor([[2]])}, ValueError, "seq_lengths must be 1-D"),
+        ({"seq_lengths": [3, 4], "num_tokens": 5}, ValueError, "seq_lengths covers 7 tokens, more than num_tokens=5"),
+        ({"cu_seqlens": [1, 3]}, ValueError, "cu_seqlens must start at 0"),
+        ({"cu_seqlens": []}, ValueError, "cu_seqlens must start at 0"),
+        ({"cu_seqlens": [0, 3, 2]}, ValueError, "cu_seqlens must be non-decreasing"),
+        ({"cu_seqlens": [0, 3, 5], "max_seqlen": 2}, ValueError, "max_seqlen=2 is less than the longest"),
+        ({"cu_seqlens": [0, 3], "num_tokens": -1}, ValueError, "num_tokens must be a non-negative int"),
+        ({"seq_lengths": [3], "backend": "cuda"}, ValueError, "backend must be one of"),
+    ],
+)
+def test_bad_input(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fastft.packed_seq_info(**kwargs)
+
+
+def test_bad_mask_arguments():
+    info = fastft.packed_seq_info(seq_lengths=[3, 2])
+    with pytest.raises(TypeError, match="dtype must be torch.bool or a floating dtype"):
+        info.sdpa_mask(dtype=torch.int32)
+    with pytest.raises(TypeError, match="window must be an int or None"):
+        info.sdpa_mask(window=2.5)
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        info.flex_block_mask(block_size=0)
+
+
+def test_immutable():
+    info = fastft.packed_seq_info(seq_lengths=[3, 2])
+    with pytest.raises(AttributeError, match="immutable"):
+        info.max_seqlen = 7
+
+
+def test_memoized_on_identity_and_version(device):
+    pos = torch.tensor([0, 1, 2, 0, 1], device=device)
+    info = fastft.packed_seq_info(position_ids=pos)
+    mask = info.sdpa_mask()
+    assert fastft.packed_seq_info(position_ids=pos) is info and info.sdpa_mask() is mask
+    assert fastft.packed_seq_info(position_ids=pos.clone()) is not info
+    pos[3:] = torch.tensor([3, 4])  # in place: now one document
+    fresh = fastft.packed_seq_info(position_ids=pos)
+    assert fresh is not info and fresh.num_seqs == 1 and info.num_seqs == 2
+    assert fastft.packed_seq_info(seq_lengths=[3, 2]) is fastft.packed_seq_info(seq_lengths=[3, 2])
+    assert fastft.packed_seq_info(seq_lengths=[3, 2]) is not fastft.packed_seq_info(seq_lengths=[3, 2], backend="torch")
+
+
+def test_inference_mode_tensors_are_never_stale(device):
+    with torch.inference_mode():
+        pos = torch.tensor([0, 1, 2, 0, 1], device=device)
+        assert fastft.packed_seq_info(position_ids=pos).num_seqs == 2
+        pos[3:] = torch.tensor([3, 4])
+        info = fastft.packed_seq_info(position_ids=pos)
+        assert info.num_seqs == 1 and info.sdpa_mask().all(-1).any()
+
+
+def test_torch_compile_traces_without_graph_breaks(device):
+    def layer(position_ids):
+        info = fastft.packed_seq_info(position_ids=position_ids)
+        return info.sdpa_mask(window=4), info.flex_block_mask(block_size=16).kv_indices, info.doc_ids
+
+    pos = testing.random_position_ids(torch.Generator().manual_seed(1), 2, 40, 12).to(device)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    testing.assert_same(list(compiled(pos)), list(layer(pos)))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_custom_ops_pass_opcheck(device, backend):
+    from fastft import packing
+
+    pos = testing.random_position_ids(torch.Generator().manual_seed(torch.seed() % 2**63), 2, 40, 9).to(device)
+    info = fastft.packed_seq_info(position_ids=pos, backend=backend)
+    doc = info.doc_ids
+    cases = [
+        (packing._boundaries_op, (pos, backend)),
+        (packing._from_cu_seqlens_op, (info.cu_seqlens, 80, backend)),
+        (packing._sdpa_mask_op, (doc, 5, torch.bfloat16, backend)),
+        (packing._block_tables_op, (doc, 0, 16, backend)),
+    ]
+    for fn, args in cases:
+        torch.library.opcheck(fn.op, args)
