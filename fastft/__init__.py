@@ -13,6 +13,10 @@ if _ilu.find_spec(__name__ + ".kernels") is None:
 
 from . import dispatch  # noqa: E402
 from .packing import PackedSeqInfo, document_mask_mod, packed_seq_info  # noqa: E402
+from .routing import MoERouting, moe_expert_rows, moe_permute, moe_route, moe_unpermute  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["PackedSeqInfo", "document_mask_mod", "packed_seq_info", "dispatch"]
+__all__ = [
+    "PackedSeqInfo", "document_mask_mod", "packed_seq_info", "dispatch",
+    "MoERouting", "moe_route", "moe_permute", "moe_unpermute", "moe_expert_rows",
+]

@@ -76,14 +76,22 @@ def cmd_check(args) -> int:
     return 1 if failures else 0
 
 
+def _bench_modules(names):
+    from fastft.bench import packing, routing
+
+    modules = {"packing": packing, "routing": routing}
+    return {name: modules[name] for name in (names or modules)}
+
+
 def cmd_bench(args) -> int:
     from fastft.bench import common
-    from fastft.bench import packing as bench_packing
 
     device = _device(args.device)
     quick = args.quick or device.type != "cuda"
     print(f"bench on {_describe(device)}" + ("  [CPU: small sizes, numbers not representative]" if device.type != "cuda" else ""))
-    rows = bench_packing.run(device, quick)
+    rows = []
+    for module in _bench_modules(args.only).values():
+        rows += module.run(device, quick)
     print(common.format_table(rows))
     if args.json:
         record = {
@@ -99,18 +107,24 @@ def cmd_bench(args) -> int:
 
 def cmd_tune(args) -> int:
     from fastft.bench import common
-    from fastft.bench import packing as bench_packing
 
     device = _device(args.device)
     if device.type != "cuda":
         print("tune measures launch parameters on a GPU; no CUDA device here", file=sys.stderr)
         return 2
     results: dict = {}
-    for op, (sizes, candidates, make) in bench_packing.tune_specs(device).items():
+    path = autotune.cache_path(dispatch.arch(device))
+    if args.only and path.exists():  # keep the other ops' measured entries
+        results = json.loads(path.read_text()).get("ops", {})
+    specs = {}
+    for module in _bench_modules(args.only).values():
+        specs.update(module.tune_specs(device))
+    for op, (sizes, candidates, make) in specs.items():
         results[op] = {}
         for size in sizes:
             launch = make(size)
-            timed = [(common.time_ms(lambda: launch(cfg), device, rep_ms=50), cfg) for cfg in candidates]
+            # CUDA-graph replays: the kernels' device time, not the host's launch cost
+            timed = [(common.graph_ms(lambda: launch(cfg), rep_ms=50), cfg) for cfg in candidates]
             best_ms, best = min(timed, key=lambda x: x[0])
             results[op][str(autotune.bucket(size))] = best
             print(f"{op:28s} size={size:8d} best {best} {best_ms:.4f} ms (of {len(candidates)})")
@@ -135,6 +149,10 @@ def main(argv=None) -> int:
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("tune", help="measure launch parameters and rewrite autotune_cache/<arch>.json")
     p.set_defaults(fn=cmd_tune)
+    for name in ("bench", "tune"):
+        sub.choices[name].add_argument(
+            "--only", action="append", choices=["packing", "routing"], help="only these op families (repeatable)"
+        )
     for p in sub.choices.values():
         p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     args = parser.parse_args(argv)

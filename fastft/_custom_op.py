@@ -1,7 +1,8 @@
 """``custom_op``: ``torch.library.custom_op`` for fastft's ops, with a cheaper eager call.
 
 torch.compile and export trace the registered op (``fn.op``); eager calls run the implementation directly,
-skipping the dispatcher's ~10-20 µs per call, which is most of a cached per-layer lookup's budget.
+skipping the dispatcher's ~10-20 µs per call, which is most of a cached per-layer lookup's budget. Calls
+that autograd must record (grad mode on and a tensor argument that requires grad) go through the op.
 """
 
 from __future__ import annotations
@@ -17,10 +18,15 @@ def custom_op(name: str):
 
         @functools.wraps(fn)
         def call(*args):
-            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+            if torch.compiler.is_compiling() or (
+                torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+            ):
+                return op(*args)
+            return fn(*args)
 
         call.op = op
         call.register_fake = op.register_fake
+        call.register_autograd = op.register_autograd
         return call
 
     return wrap

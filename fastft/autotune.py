@@ -26,6 +26,9 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 
 # op -> launch parameters used when the cache has no entry; each op module fills in its own.
 DEFAULTS: dict[str, dict] = {}
+# op -> overrides of DEFAULTS for the Triton interpreter on CPU (tests): small tiles, so that small inputs
+# still span several programs, and few enough programs to run quickly.
+INTERPRETER: dict[str, dict] = {}
 
 
 def cache_dir() -> Path:
@@ -52,13 +55,25 @@ def _load(path: str) -> dict:
         return {}
 
 
+_memo: dict = {}  # (op, arch, bucket, cache folder override) -> lookup's answer
+
+
 def lookup(op: str, device: torch.device, size: int) -> tuple[dict, bool]:
     """(launch parameters, whether they came from the cache) for ``op`` at ``size`` on ``device``."""
+    key = (op, dispatch.arch(device), bucket(size), os.environ.get("FASTFT_AUTOTUNE_CACHE"))
+    hit = _memo.get(key)
+    if hit is None:
+        hit = _memo[key] = _lookup(op, device, key[1], key[2])
+    return dict(hit[0]), hit[1]
+
+
+def _lookup(op: str, device: torch.device, arch: str, want: int) -> tuple[dict, bool]:
     defaults = DEFAULTS[op]
-    entries = _load(str(cache_path(dispatch.arch(device)))).get(op)
+    if device.type == "cpu":
+        defaults = {**defaults, **INTERPRETER.get(op, {})}
+    entries = _load(str(cache_path(arch))).get(op)
     if not entries:
         return dict(defaults), False
-    want = bucket(size)
     key = min(entries, key=lambda k: (abs(math.log2(int(k)) - math.log2(want)), int(k)))
     return {**defaults, **entries[key]}, True
 
@@ -70,4 +85,5 @@ def write(arch: str, ops: dict, meta: dict) -> Path:
         json.dump({"arch": arch, **meta, "ops": ops}, f, indent=1, sort_keys=True)
         f.write("\n")
     _load.cache_clear()
+    _memo.clear()
     return path

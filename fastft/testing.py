@@ -173,8 +173,106 @@ def check_packing(g: torch.Generator, device, max_tokens: int) -> None:
         raise AssertionError(f"{e}\ncase: {case}") from None
 
 
+# ---- routing: one differential case ----------------------------------------------------------------------
+
+
+def random_topk_ids(
+    g: torch.Generator, tokens: int, top_k: int, num_experts: int, *, unrouted: float = 0.1,
+    dtype=torch.int64, strided: bool = False,
+) -> torch.Tensor:
+    """``[tokens, top_k]`` router ids: a few hot experts, duplicates within a row, and a fraction
+    ``unrouted`` of out-of-range ids (-1, -7, num_experts, num_experts + 5). ``strided``: not contiguous."""
+    hot = torch.randint(0, num_experts, (max(1, num_experts // 8),), generator=g)
+    uniform = torch.randint(0, num_experts, (tokens, top_k), generator=g)
+    skewed = hot[torch.randint(0, hot.numel(), (tokens, top_k), generator=g)]
+    ids = torch.where(torch.rand(tokens, top_k, generator=g) < 0.5, skewed, uniform)
+    bad = torch.tensor([-1, -7, num_experts, num_experts + 5])[torch.randint(0, 4, (tokens, top_k), generator=g)]
+    ids = torch.where(torch.rand(tokens, top_k, generator=g) < unrouted, bad, ids).to(dtype)
+    if strided:
+        return torch.stack([ids, -ids], dim=-1)[..., 0]  # strides (2 * top_k, 2)
+    return ids
+
+
+def routing_fields(routing) -> dict:
+    """A ``MoERouting``'s tensors and ints, without the backend that built it."""
+    return {f.name: getattr(routing, f.name) for f in dataclasses.fields(routing) if f.name != "backend"}
+
+
+def random_routing_case(g: torch.Generator, device, max_tokens: int) -> dict:
+    """Keyword arguments of ``routing_outputs``: router ids, routing options and float inputs."""
+    tokens = _randint(g, 0, max_tokens)
+    top_k = _randint(g, 1, 8)
+    num_experts = [1, 2, 3, 7, 8, 32, 100, 1030][_randint(g, 0, 7)]
+    ids = random_topk_ids(
+        g, tokens, top_k, num_experts, unrouted=[0.0, 0.1, 0.9][_randint(g, 0, 2)],
+        dtype=torch.int32 if _randint(g, 0, 1) else torch.int64, strided=bool(_randint(g, 0, 1)),
+    ).to(device)
+    options = {"num_experts": num_experts, "block_size": [1, 1, 2, 16, 128][_randint(g, 0, 4)]}
+    if _randint(g, 0, 2) == 0:
+        local = _randint(g, 1, num_experts)
+        mapping = torch.full((num_experts,), -1, dtype=torch.int32)
+        mapping[torch.randperm(num_experts, generator=g)[:local]] = torch.randperm(local, generator=g).int()
+        options.update(expert_map=mapping.to(device), num_local_experts=local)
+    local = options.get("num_local_experts", num_experts)
+    dtype = torch.float32 if _randint(g, 0, 1) else torch.bfloat16
+    hidden = _randint(g, 1, 48)
+    data = torch.Generator().manual_seed(_randint(g, 0, 2**62))
+    rand = lambda *shape: torch.randn(*shape, generator=data).to(device, dtype)  # noqa: E731
+    return dict(
+        topk_ids=ids, options=options, x=rand(tokens, hidden), weights=rand(tokens, top_k),
+        table=rand(local, _randint(g, 1, 40)), seed=_randint(g, 0, 2**62),
+    )
+
+
+def routing_outputs(topk_ids, options, x, weights, table, seed, *, backend=None) -> tuple[dict, dict]:
+    """(exact, approximate) results of every routing op and its backward on one case.
+
+    Exact: the routing, permute, unpermute (fixed fp32 order), and the gradients of x, ys and the
+    unweighted combine. Approximate (summation order differs): dweights and the expert table's gradient."""
+    r = fastft.moe_route(topk_ids, backend=backend, **options)
+    data = torch.Generator().manual_seed(seed)
+    ys = torch.randn(r.capacity, x.shape[1], generator=data).to(x.device, x.dtype)
+    dy = torch.randn(x.shape, generator=data).to(x.device, x.dtype)
+    drows = torch.randn(r.capacity, table.shape[1], generator=data).to(x.device, x.dtype)
+    x, ys, weights, table = (t.detach().requires_grad_() for t in (x, ys, weights, table))
+    xs = fastft.moe_permute(x, r, backend=backend)
+    y = fastft.moe_unpermute(ys, r, weights, backend=backend)
+    y_plain = fastft.moe_unpermute(ys, r, backend=backend)
+    rows = fastft.moe_expert_rows(table, r, backend=backend)
+    (dx,) = torch.autograd.grad(xs, x, ys)
+    dys, dweights = torch.autograd.grad(y, (ys, weights), dy)
+    (dys_plain,) = torch.autograd.grad(y_plain, ys, dy)
+    (dtable,) = torch.autograd.grad(rows, table, drows)
+    exact = {
+        **routing_fields(r), "permute": xs, "unpermute": y, "unpermute_unweighted": y_plain, "expert_rows": rows,
+        "dx": dx, "dys": dys, "dys_unweighted": dys_plain,
+    }
+    return exact, {"dweights": dweights, "dtable": dtable}
+
+
+def check_routing_case(case: dict) -> None:
+    """Triton vs torch on one ``random_routing_case``: integers and fixed-order sums exactly, the rest
+    within fp32 (1e-4) or bf16 (2e-2) tolerance plus 4 fp32 ulps per summed term. Triton's CPU interpreter truncates fp32 -> bf16 where a
+    GPU rounds to nearest even, so there bf16 results of fp32 sums may differ by one bf16 ulp."""
+    try:
+        got, expected = (routing_outputs(**case, backend=b) for b in ("triton", "torch"))
+        bf16 = case["x"].dtype == torch.bfloat16
+        ulp = 2.0**-7 if bf16 and case["x"].device.type == "cpu" else 0.0
+        assert_same(got[0], expected[0], rtol=ulp, path="triton vs torch")
+        # fp32 sums of up to T*K terms in another order: the error grows with the number of terms.
+        tol = (2e-2 if bf16 else 1e-4) + 4 * 2.0**-23 * case["topk_ids"].numel()
+        assert_same(got[1], expected[1], atol=tol, rtol=tol, path="triton vs torch")
+    except AssertionError as e:
+        shown = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+        raise AssertionError(f"{e}\ncase: {shown}") from None
+
+
+def check_routing(g: torch.Generator, device, max_tokens: int) -> None:
+    check_routing_case(random_routing_case(g, device, max_tokens))
+
+
 # op name -> fn(generator, device, max_tokens): one random differential case (``python -m fastft check``)
-CHECKS = {"packing": check_packing}
+CHECKS = {"packing": check_packing, "routing": check_routing}
 
 
 # ---- hypothesis strategies -------------------------------------------------------------------------------
@@ -218,3 +316,8 @@ def window_strategy(max_window: int = 300):
     from hypothesis import strategies as st
 
     return st.one_of(st.none(), st.integers(-2, max_window))
+
+
+def routing_case_strategy(max_tokens: int = 96, device="cpu"):
+    """Cases for ``check_routing_case`` (see ``random_routing_case``), drawn from a hypothesis seed."""
+    return seeds_strategy().map(lambda seed: random_routing_case(torch.Generator().manual_seed(seed), device, max_tokens))

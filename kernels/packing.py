@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launch
+
 
 @triton.jit
 def _doc_starts(pos_ptr, offs, n, row_len):
@@ -84,9 +86,9 @@ def boundaries_from_position_ids(position_ids: torch.Tensor, *, BLOCK: int, num_
     count = torch.empty(grid, dtype=torch.int32, device=position_ids.device)
     last = torch.empty(grid, dtype=torch.int64, device=position_ids.device)
     summary = torch.empty(2, dtype=torch.int32, device=position_ids.device)
-    _boundary_stats_kernel[(grid,)](position_ids, count, last, starts, summary, n, row_len, BLOCK=BLOCK, num_warps=num_warps)
-    _boundary_write_kernel[(grid,)](
-        position_ids, count, last, doc, pos, starts, summary, n, row_len,
+    launch(_boundary_stats_kernel, (grid,), position_ids, count, last, starts, summary, n, row_len, BLOCK=BLOCK, num_warps=num_warps)
+    launch(
+        _boundary_write_kernel, (grid,), position_ids, count, last, doc, pos, starts, summary, n, row_len,
         BLOCK=BLOCK, PREFIX_CHUNK=1024, num_warps=num_warps,
     )
     return doc, pos, starts, summary
@@ -114,8 +116,9 @@ def boundaries_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int, *, BLO
     doc = torch.empty(num_tokens, dtype=torch.int32, device=cu_seqlens.device)
     pos = torch.empty(num_tokens, dtype=torch.int64, device=cu_seqlens.device)
     steps = max(1, (num_seqs - 1).bit_length())
-    _from_cu_seqlens_kernel[(triton.cdiv(num_tokens, BLOCK),)](
-        cu_seqlens, num_seqs, doc, pos, num_tokens, BLOCK=BLOCK, STEPS=steps, num_warps=num_warps
+    launch(
+        _from_cu_seqlens_kernel, (triton.cdiv(num_tokens, BLOCK),), cu_seqlens, num_seqs, doc, pos, num_tokens,
+        BLOCK=BLOCK, STEPS=steps, num_warps=num_warps,
     )
     return doc, pos
 
@@ -155,8 +158,8 @@ def sdpa_mask(doc_ids: torch.Tensor, window: int, dtype: torch.dtype, *, BLOCK_Q
     pack = 4 if dtype == torch.bool and t % 4 == 0 else 1
     view = out.view(torch.int32 if pack == 4 else torch.uint8) if dtype == torch.bool else out
     grid = (triton.cdiv(t, BLOCK_Q), triton.cdiv(t // pack, BLOCK_K), b)
-    _sdpa_mask_kernel[grid](
-        doc_ids, view, t, window,
+    launch(
+        _sdpa_mask_kernel, grid, doc_ids, view, t, window,
         BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, FLOAT=dtype != torch.bool, PACK=pack, num_warps=num_warps,
     )
     return out
@@ -227,8 +230,8 @@ def block_mask_tables(doc_ids: torch.Tensor, window: int, block_size: int, *, nu
     nb = triton.cdiv(t, block_size)
     num = torch.empty((2, 2, b, 1, nb), dtype=torch.int32, device=doc_ids.device)
     idx = torch.empty((2, 2, b, 1, nb, nb), dtype=torch.int32, device=doc_ids.device)
-    _block_tables_kernel[(nb, b, 2)](
-        doc_ids, t, window, nb, b, num, idx,
+    launch(
+        _block_tables_kernel, (nb, b, 2), doc_ids, t, window, nb, b, num, idx,
         BLOCK_SIZE=block_size, CHUNK=min(triton.next_power_of_2(nb), 1024), num_warps=num_warps,
     )
     return num, idx

@@ -40,6 +40,13 @@ def time_ms(fn, device: torch.device, *, rep_ms: int = 200) -> float:
     return statistics.median(times)
 
 
+def graph_ms(fn, *, rep_ms: int = 100) -> float:
+    """Median GPU milliseconds of ``fn()`` replayed from a CUDA graph: device time without host launch cost."""
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+
+
 def host_us(fn, iters: int = 200) -> float:
     """Median host microseconds of ``fn()`` (no device synchronisation: what the Python caller pays)."""
     fn()

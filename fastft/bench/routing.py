@@ -1,0 +1,153 @@
+"""Benchmark and autotune specs for MoE token routing (``fastft.routing``)."""
+
+from __future__ import annotations
+
+import torch
+
+import fastft
+from fastft import dispatch, routing
+from fastft.reference import routing as reference
+from fastft.testing import assert_same, routing_fields
+
+from .common import Row, graph_ms, host_us, time_ms
+from .packing import _grid
+
+# name -> (experts, top_k, hidden)
+SHAPES = {
+    "gpt-oss-20b": (32, 4, 2880),
+    "gpt-oss-120b": (128, 4, 2880),
+    "Qwen3-30B-A3B": (128, 8, 2048),
+    "DeepSeek-V3": (256, 8, 7168),
+}
+
+
+def router_ids(tokens: int, experts: int, top_k: int, device, seed: int = 0) -> torch.Tensor:
+    """Top-k of random router logits: K distinct experts per token, as a real router gives."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.rand(tokens, experts, generator=g, device=device).topk(top_k, dim=1).indices
+
+
+def torch_route(ids: torch.Tensor, experts: int):
+    """The glue fastft replaces: a stable argsort, bincount (which syncs) and cumsum."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts)
+    return order, counts, torch.cumsum(counts, 0)
+
+
+def index_add_combine(ys: torch.Tensor, r, weights: torch.Tensor) -> torch.Tensor:
+    """The combine fastft replaces: scale each slot by its weight and index_add_ it into its token."""
+    pair = r.sorted_pair.long()
+    out = torch.zeros(r.num_tokens, ys.shape[1], dtype=ys.dtype, device=ys.device)
+    return out.index_add_(0, pair // r.top_k, ys * weights.reshape(-1)[pair, None].to(ys.dtype))
+
+
+def run(device: torch.device, quick: bool) -> list[Row]:
+    rows: list[Row] = []
+    gpu = device.type == "cuda"
+    backend = dispatch.backend_for(routing.OP_ROUTE, device)
+    tokens = (64,) if quick else (4096, 16384, 65536)
+    shapes = {"tiny": (8, 2, 64)} if quick else SHAPES
+    copy_gbs = None
+    if gpu:  # device copy bandwidth (read + write), the bound for gathers
+        buf = torch.empty(2**30, dtype=torch.uint8, device=device)
+        copy_gbs = 2 * buf.numel() / (time_ms(lambda: buf.clone(), device) * 1e6)
+        del buf
+
+    def bw_note(nbytes: int, ms: float) -> str:
+        if copy_gbs is None:
+            return ""
+        gbs = nbytes / (ms * 1e6)
+        return f"{gbs:.0f} GB/s = {100 * gbs / copy_gbs:.0f}% of copy ({copy_gbs:.0f} GB/s)"
+
+    for name, (experts, top_k, hidden) in shapes.items():
+        for t in tokens:
+            case = f"{name} T={t}"
+            ids = router_ids(t, experts, top_k, device)
+            r = fastft.moe_route(ids, experts)
+            assert_same(routing_fields(r), routing_fields(fastft.moe_route(ids, experts, backend="torch")))
+
+            # 1) routing metadata
+            base = time_ms(lambda: torch_route(ids, experts), device)
+            fast = time_ms(lambda: fastft.moe_route(ids, experts), device)
+            host = host_us(lambda: fastft.moe_route(ids, experts), iters=200 if gpu else 3)
+            note = f"host {host:.1f} us/call"
+            if gpu:
+                graph = graph_ms(lambda: fastft.moe_route(ids, experts))
+                note += f", GPU {graph * 1000:.1f} us (CUDA graph)"
+            rows.append(Row("moe_route", case, "argsort+bincount+cumsum", base, fast, backend, note))
+
+            # 2) permute and its backward (a gather-sum)
+            el = 2
+            x = torch.randn(t, hidden, device=device, dtype=torch.bfloat16)
+            n = t * top_k
+            fast = time_ms(lambda: fastft.moe_permute(x, r), device)
+            rows.append(Row("moe_permute", case, "x[sorted_pair // K]",
+                            time_ms(lambda: x[r.sorted_pair.long() // top_k], device), fast, backend,
+                            bw_note((t + n) * hidden * el, fast)))
+            ys = torch.randn(r.capacity, hidden, device=device, dtype=torch.bfloat16)
+            fast = time_ms(lambda: routing._unpermute_op(ys, r.sorted_pair, r.inverse, None, backend), device)
+            rows.append(Row("moe_permute backward", case, "index_add_ into dx",
+                            time_ms(lambda: torch.zeros_like(x).index_add_(0, r.sorted_pair.long() // top_k, ys), device),
+                            fast, backend, bw_note((n + t) * hidden * el, fast)))
+
+            # 3) unpermute (weighted combine) and its backward
+            w = torch.rand(t, top_k, device=device)
+            # exact on a GPU; Triton's CPU interpreter truncates fp32 -> bf16 (one ulp)
+            assert_same(fastft.moe_unpermute(ys, r, w), reference.gather_sum(ys, r.inverse, w), rtol=0 if gpu else 2**-7)
+            fast = time_ms(lambda: fastft.moe_unpermute(ys, r, w), device)
+            rows.append(Row("moe_unpermute", case, "index_add_ combine",
+                            time_ms(lambda: index_add_combine(ys, r, w), device), fast, backend,
+                            bw_note((n + t) * hidden * el, fast)))
+            dy = torch.randn(t, hidden, device=device, dtype=torch.bfloat16)
+            fast = time_ms(lambda: routing._unpermute_backward_op(dy, ys, r.sorted_pair, r.inverse, w, backend), device)
+            rows.append(Row("moe_unpermute backward", case, "torch reference",
+                            time_ms(lambda: reference.unpermute_backward(dy, ys, r.sorted_pair, top_k, w), device),
+                            fast, backend, bw_note((t + 2 * n) * hidden * el, fast)))
+            del x, ys, dy
+            if gpu:
+                torch.cuda.empty_cache()
+    return rows
+
+
+# ---- autotune ---------------------------------------------------------------------------------------------
+
+
+def tune_specs(device: torch.device):
+    """op -> (sizes, candidate launch parameters, make(size) -> fn(cfg) that launches once)."""
+    from fastft.kernels import routing as kernels
+
+    def route(n):
+        ids = router_ids(n // 8, 128, 8, device)
+        cap = reference.capacity(n, 128, 1)
+        outputs = fastft.routing._unpack(
+            torch.empty(sum(fastft.routing._layout(n // 8, 8, 128, cap, 1)), dtype=torch.int32, device=device),
+            n // 8, 8, fastft.routing._layout(n // 8, 8, 128, cap, 1),
+        )
+        return lambda cfg: kernels.route(ids, 128, 1, None, 128, cap, outputs, **cfg)
+
+    def rows_of(size, hidden=2048):
+        t = size // (8 * hidden)
+        r = fastft.moe_route(router_ids(t, 128, 8, device), 128)
+        return r, torch.randn(t, hidden, device=device, dtype=torch.bfloat16), hidden
+
+    def permute(size):
+        r, x, _ = rows_of(size)
+        return lambda cfg: kernels.permute(x, r.sorted_pair, r.inverse, **cfg)
+
+    def unpermute(size):
+        r, _, hidden = rows_of(size)
+        ys = torch.randn(r.capacity, hidden, device=device, dtype=torch.bfloat16)
+        w = torch.rand(r.num_tokens, 8, device=device)
+        return lambda cfg: kernels.gather_sum(ys, r.inverse, w, **cfg)
+
+    sizes = (4096 * 8 * 2048, 16384 * 8 * 2048)
+    return {
+        routing.OP_ROUTE: (
+            (32768, 131072, 524288),
+            _grid(BLOCK=[512, 1024, 2048], SLOT_BLOCK=[1024, 4096], SCAN_E=[32, 64, 128], SCAN_WARPS=[4, 8], num_warps=[4, 8]),
+            route,
+        ),
+        routing.OP_PERMUTE: (sizes, _grid(ROWS=[1, 2, 4], BLOCK_H=[512, 1024, 2048], PAD_ROWS=[256], num_warps=[4, 8]), permute),
+        routing.OP_UNPERMUTE: (sizes, _grid(ROWS=[1, 2, 4], BLOCK_H=[256, 512, 1024, 2048], num_warps=[4, 8]), unpermute),
+    }
