@@ -273,14 +273,16 @@ _HAS_COMPUTE_Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_k
 
 
 def _make_block_mask(tables, doc_ids, window, block_size):
-    num, idx = tables
+    # One unbind per table stack: indexing the eight views one by one costs more host time than the kernel.
+    kv_num, kv_full_num, q_num, q_full_num = tables[0].flatten(0, 1).unbind(0)
+    kv_idx, kv_full_idx, q_idx, q_full_idx = tables[1].flatten(0, 1).unbind(0)
     t = doc_ids.shape[-1]
     kwargs = dict(BLOCK_SIZE=block_size, mask_mod=document_mask_mod(doc_ids, window), seq_lengths=(t, t))
-    kv = (num[0, 0], idx[0, 0], num[0, 1], idx[0, 1])
+    kv = (kv_num, kv_idx, kv_full_num, kv_full_idx)
     if not _HAS_COMPUTE_Q_BLOCKS:
         return BlockMask.from_kv_blocks(*kv, **kwargs)
     mask = BlockMask.from_kv_blocks(*kv, compute_q_blocks=False, **kwargs)
-    mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices = num[1, 0], idx[1, 0], num[1, 1], idx[1, 1]
+    mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices = q_num, q_idx, q_full_num, q_full_idx
     return mask
 
 

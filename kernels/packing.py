@@ -135,20 +135,36 @@ def _sdpa_mask_kernel(
     w = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)  # stored element (word) index in the row
     q_in = q < t
     row_words = t // PACK
-    doc_q = tl.load(doc_ptr + b * t + q, mask=q_in, other=-1)
-    value = tl.zeros((BLOCK_Q, BLOCK_K), dtype=tl.int32)
-    for j in tl.static_range(PACK):
-        k = w * PACK + j
-        doc_k = tl.load(doc_ptr + b * t + k, mask=k < t, other=-2)
-        dist = q[:, None] - k[None, :]
-        allowed = (doc_q[:, None] == doc_k[None, :]) & (dist >= 0) & ((window <= 0) | (dist < window))
-        value = value | (allowed.to(tl.int32) << (8 * j))
     ptrs = out_ptr + (b * t + q[:, None]) * row_words + w[None, :]
-    if FLOAT:
-        stored = tl.where(value != 0, 0.0, float("-inf")).to(out_ptr.dtype.element_ty)
+    in_bounds = q_in[:, None] & (w[None, :] < row_words)
+    # Doc ids never decrease along a row, so the tile's corners decide whether nothing in it is allowed
+    # (all keys after all queries, in other documents, or past the window): then skip the comparisons.
+    q0 = pid_q.to(tl.int64) * BLOCK_Q
+    q_last = tl.minimum(q0 + BLOCK_Q, t) - 1
+    k0 = pid_k.to(tl.int64) * BLOCK_K * PACK
+    k_last = tl.minimum(k0 + BLOCK_K * PACK, t) - 1
+    row = doc_ptr + b * t
+    empty = (k0 > q_last) | (tl.load(row + k_last) < tl.load(row + q0)) | (tl.load(row + k0) > tl.load(row + q_last))
+    empty = empty | ((window > 0) & (q0 - k_last >= window))
+    if empty:
+        if FLOAT:
+            tl.store(ptrs, tl.full((BLOCK_Q, BLOCK_K), float("-inf"), dtype=out_ptr.dtype.element_ty), mask=in_bounds)
+        else:
+            tl.store(ptrs, tl.zeros((BLOCK_Q, BLOCK_K), dtype=out_ptr.dtype.element_ty), mask=in_bounds)
     else:
-        stored = value.to(out_ptr.dtype.element_ty)
-    tl.store(ptrs, stored, mask=q_in[:, None] & (w[None, :] < row_words))
+        doc_q = tl.load(row + q, mask=q_in, other=-1)
+        value = tl.zeros((BLOCK_Q, BLOCK_K), dtype=tl.int32)
+        for j in tl.static_range(PACK):
+            k = w * PACK + j
+            doc_k = tl.load(row + k, mask=k < t, other=-2)
+            dist = q[:, None] - k[None, :]
+            allowed = (doc_q[:, None] == doc_k[None, :]) & (dist >= 0) & ((window <= 0) | (dist < window))
+            value = value | (allowed.to(tl.int32) << (8 * j))
+        if FLOAT:
+            stored = tl.where(value != 0, 0.0, float("-inf")).to(out_ptr.dtype.element_ty)
+        else:
+            stored = value.to(out_ptr.dtype.element_ty)
+        tl.store(ptrs, stored, mask=in_bounds)
 
 
 def sdpa_mask(doc_ids: torch.Tensor, window: int, dtype: torch.dtype, *, BLOCK_Q: int, BLOCK_K: int, num_warps: int):
