@@ -67,6 +67,11 @@ def lookup(op: str, device: torch.device, size: int) -> tuple[dict, bool]:
     return dict(hit[0]), hit[1]
 
 
+def params(op: str, device: torch.device, size: int) -> dict:
+    """The launch parameters ``lookup`` chooses, without the cache-hit flag."""
+    return lookup(op, device, size)[0]
+
+
 def _lookup(op: str, device: torch.device, arch: str, want: int) -> tuple[dict, bool]:
     defaults = DEFAULTS[op]
     if device.type == "cpu":

@@ -48,9 +48,6 @@ _INT32_MAX = 2**31 - 1
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def _launch(op: str, device: torch.device, size: int) -> dict:
-    return autotune.lookup(op, device, size)[0]
-
 
 # ---- custom ops (opaque to torch.compile), with fake impls that give the output shapes -----------------
 
@@ -61,7 +58,7 @@ def _boundaries_op(position_ids: torch.Tensor, backend: str) -> tuple[torch.Tens
         return reference.boundaries_from_position_ids(position_ids)
     from .kernels import packing as kernels
 
-    cfg = _launch(OP_BOUNDARIES, position_ids.device, position_ids.numel())
+    cfg = autotune.params(OP_BOUNDARIES, position_ids.device, position_ids.numel())
     return kernels.boundaries_from_position_ids(position_ids, **cfg)
 
 
@@ -82,7 +79,7 @@ def _from_cu_seqlens_op(cu_seqlens: torch.Tensor, num_tokens: int, backend: str)
         return reference.boundaries_from_cu_seqlens(cu_seqlens, num_tokens)
     from .kernels import packing as kernels
 
-    cfg = _launch(OP_FROM_CU_SEQLENS, cu_seqlens.device, num_tokens)
+    cfg = autotune.params(OP_FROM_CU_SEQLENS, cu_seqlens.device, num_tokens)
     return kernels.boundaries_from_cu_seqlens(cu_seqlens, num_tokens, **cfg)
 
 
@@ -97,7 +94,7 @@ def _sdpa_mask_op(doc_ids: torch.Tensor, window: int, dtype: torch.dtype, backen
         return reference.sdpa_mask(doc_ids, window, dtype)
     from .kernels import packing as kernels
 
-    cfg = _launch(OP_SDPA_MASK, doc_ids.device, doc_ids.shape[-1])
+    cfg = autotune.params(OP_SDPA_MASK, doc_ids.device, doc_ids.shape[-1])
     return kernels.sdpa_mask(doc_ids, window, dtype, **cfg)
 
 
@@ -115,7 +112,7 @@ def _block_tables_op(doc_ids: torch.Tensor, window: int, block_size: int, backen
         return torch.stack(tables[0::2]).unflatten(0, (2, 2)), torch.stack(tables[1::2]).unflatten(0, (2, 2))
     from .kernels import packing as kernels
 
-    cfg = _launch(OP_BLOCK_TABLES, doc_ids.device, doc_ids.shape[-1])
+    cfg = autotune.params(OP_BLOCK_TABLES, doc_ids.device, doc_ids.shape[-1])
     return kernels.block_mask_tables(doc_ids, window, block_size, **cfg)
 
 

@@ -47,9 +47,6 @@ autotune.INTERPRETER.update({
 _INT32_MAX = 2**31 - 1
 
 
-def _launch(op: str, device: torch.device, size: int) -> dict:
-    return autotune.lookup(op, device, size)[0]
-
 
 def _kernels():
     from .kernels import routing
@@ -91,7 +88,7 @@ def _route_op(
             topk_ids, num_experts, block_size, expert_map, num_local_experts
         )
         return _pack([counts, offsets, padded, sorted_pair, expert_of_block, inverse])
-    cfg = _launch(OP_ROUTE, topk_ids.device, n)
+    cfg = autotune.params(OP_ROUTE, topk_ids.device, n)
     packed = torch.empty(sum(sizes), dtype=torch.int32, device=topk_ids.device)
     _kernels().route(topk_ids, num_experts, block_size, expert_map, num_local_experts, cap, _unpack(packed, t, k, sizes), **cfg)
     return packed
@@ -109,7 +106,7 @@ def _permute_op(x: torch.Tensor, sorted_pair: torch.Tensor, inverse: torch.Tenso
     top_k = inverse.shape[1]
     if backend == "torch":
         return reference.permute(x, sorted_pair, top_k)
-    cfg = _launch(OP_PERMUTE, x.device, sorted_pair.numel() * x.shape[1])
+    cfg = autotune.params(OP_PERMUTE, x.device, sorted_pair.numel() * x.shape[1])
     return _kernels().permute(x, sorted_pair, inverse, **cfg)
 
 
@@ -124,7 +121,7 @@ def _unpermute_op(
 ) -> torch.Tensor:
     if backend == "torch":
         return reference.gather_sum(ys, inverse, weights)
-    cfg = _launch(OP_UNPERMUTE, ys.device, inverse.numel() * ys.shape[1])
+    cfg = autotune.params(OP_UNPERMUTE, ys.device, inverse.numel() * ys.shape[1])
     return _kernels().gather_sum(ys, inverse, weights, **cfg)
 
 
@@ -140,7 +137,7 @@ def _unpermute_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "torch":
         return reference.unpermute_backward(dy, ys, sorted_pair, weights.shape[1], weights)
-    cfg = _launch(OP_PERMUTE, ys.device, ys.numel())
+    cfg = autotune.params(OP_PERMUTE, ys.device, ys.numel())
     return _kernels().unpermute_backward(dy, ys, sorted_pair, inverse, weights, **cfg)
 
 
@@ -156,7 +153,7 @@ def _expert_rows_op(
 ) -> torch.Tensor:
     if backend == "torch":
         return reference.expert_rows(table, sorted_pair, expert_of_block, block_size)
-    cfg = _launch(OP_EXPERT_ROWS, table.device, sorted_pair.numel() * table.shape[1])
+    cfg = autotune.params(OP_EXPERT_ROWS, table.device, sorted_pair.numel() * table.shape[1])
     return _kernels().expert_rows(table, sorted_pair, expert_of_block, block_size, **cfg)
 
 
@@ -172,7 +169,7 @@ def _expert_rows_backward_op(
     e = counts.shape[0]
     if backend == "torch" or dout.shape[0] == 0:
         return reference.expert_rows_backward(dout, counts, padded_offsets, e)
-    cfg = _launch(_EXPERT_ROWS_BACKWARD, dout.device, dout.numel())
+    cfg = autotune.params(_EXPERT_ROWS_BACKWARD, dout.device, dout.numel())
     return _kernels().expert_rows_backward(dout, counts, padded_offsets, e, **cfg)
 
 

@@ -18,11 +18,7 @@ import triton
 import triton.language as tl
 
 from ._launch import launch
-
-
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
+from .packing import _max_combine
 
 
 @triton.jit(do_not_specialize=["n", "top_k", "stride_t", "stride_k", "num_experts", "num_local"])

@@ -89,14 +89,12 @@ def gather_sum(ys: torch.Tensor, inverse: torch.Tensor, weights) -> torch.Tensor
     return acc.to(ys.dtype)
 
 
-def unpermute_backward(dy: torch.Tensor, ys: torch.Tensor, sorted_pair: torch.Tensor, top_k: int, weights):
-    """(dys, dweights) of ``gather_sum(ys, inverse, weights)``: ``dys[s] = w[p] * dy[p // K]`` for the pair
+def unpermute_backward(dy: torch.Tensor, ys: torch.Tensor, sorted_pair: torch.Tensor, top_k: int, weights: torch.Tensor):
+    """(dys, dweights) of ``gather_sum(ys, inverse, weights)`` (without weights the backward is ``permute``): ``dys[s] = w[p] * dy[p // K]`` for the pair
     ``p`` in slot ``s`` (0 on padding); ``dweights[t, k] = <dy[t], ys[inverse[t, k]]>`` in fp32."""
     used = (sorted_pair >= 0)[:, None]
     p = sorted_pair.clamp(min=0).long()
     dy_rows = dy[p // top_k].float() if dy.shape[0] else dy.new_zeros(p.shape[0], dy.shape[1], dtype=torch.float32)
-    if weights is None:
-        return torch.where(used, dy_rows, 0.0).to(ys.dtype), None
     w = weights.reshape(-1).float()[p] if weights.numel() else torch.zeros_like(p, dtype=torch.float32)
     dys = torch.where(used, w[:, None] * dy_rows, 0.0).to(ys.dtype)
     dots = torch.where(used[:, 0], (dy_rows * ys.float()).sum(1), 0.0)
