@@ -77,9 +77,9 @@ def cmd_check(args) -> int:
 
 
 def _bench_modules(names):
-    from fastft.bench import packing, routing
+    from fastft.bench import offload, packing, routing
 
-    modules = {"packing": packing, "routing": routing}
+    modules = {"packing": packing, "routing": routing, "offload": offload}
     return {name: modules[name] for name in (names or modules)}
 
 
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     p.set_defaults(fn=cmd_tune)
     for name in ("bench", "tune"):
         sub.choices[name].add_argument(
-            "--only", action="append", choices=["packing", "routing"], help="only these op families (repeatable)"
+            "--only", action="append", choices=["packing", "routing", "offload"], help="only these op families (repeatable)"
         )
     for p in sub.choices.values():
         p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")

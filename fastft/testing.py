@@ -271,8 +271,87 @@ def check_routing(g: torch.Generator, device, max_tokens: int) -> None:
     check_routing_case(random_routing_case(g, device, max_tokens))
 
 
+# ---- copy (pack / unpack) ------------------------------------------------------------------------------------
+
+COPY_DTYPES = (
+    torch.bool, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+    torch.float32, torch.float64, torch.complex64,
+)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted as same-width integers: compares every dtype bit for bit (NaN payloads included)."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def random_strided_tensor(g: torch.Generator, device, max_numel: int, dtype=None) -> torch.Tensor:
+    """A random view: rank 0-5, any of ``COPY_DTYPES``, random bits (floats include NaN/inf patterns),
+    then permuted, sliced with steps and offsets, or expanded along a size-1 dimension."""
+    dtype = dtype or COPY_DTYPES[_randint(g, 0, len(COPY_DTYPES) - 1)]
+    rank = _randint(g, 0, 5)
+    budget = max(1, max_numel)
+    shape = []
+    for _ in range(rank):
+        shape.append(_randint(g, 0 if _randint(g, 0, 9) == 0 else 1, max(1, min(6, budget))))
+        budget = max(1, budget // max(1, shape[-1]))
+    steps = [_randint(g, 1, 2) for _ in shape]
+    base_shape = [z * st + _randint(g, 0, 1) for z, st in zip(shape, steps)]
+    if dtype == torch.bool:
+        base = torch.randint(0, 2, base_shape, generator=g).bool()
+    else:
+        nbytes = math.prod(base_shape) * torch.empty((), dtype=dtype).element_size()
+        base = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).view(dtype).view(base_shape)
+    index = []
+    for z, st, b in zip(shape, steps, base_shape):
+        start = _randint(g, 0, b - (z - 1) * st - 1) if z else 0
+        index.append(slice(start, start + (z - 1) * st + 1 if z else start, st))
+    t = base.to(device)[tuple(index)]
+    if rank > 1 and _randint(g, 0, 1):
+        t = t.permute(*torch.randperm(rank, generator=g).tolist())
+    ones = [i for i, z in enumerate(t.shape) if z == 1]
+    if ones and _randint(g, 0, 3) == 0:
+        shape = list(t.shape)
+        shape[ones[0]] = _randint(g, 2, 4)
+        t = t.expand(shape)
+    return t
+
+
+def random_copy_case(g: torch.Generator, device, max_numel: int) -> list[torch.Tensor]:
+    """0-4 tensors from ``random_strided_tensor``, for ``check_copy_case``."""
+    return [random_strided_tensor(g, device, max_numel) for _ in range(_randint(g, 0, 4))]
+
+
+def check_copy_case(tensors, *, backend=None) -> None:
+    """``fastft.copy.pack``/``unpack`` on ``backend`` (default: the dispatched one) against the torch
+    reference: packed bytes equal per entry, unpack returns the inputs bit for bit with their strides where
+    they do not overlap, and unpacking into outputs of other strides works too."""
+    from fastft import copy
+
+    buf, layout = copy.pack(tensors, backend=backend)
+    ref, ref_layout = copy.pack(tensors, backend="torch")
+    assert layout == ref_layout
+    for i, e in enumerate(layout.entries):
+        assert_same(buf[e.offset:e.offset + e.nbytes], ref[e.offset:e.offset + e.nbytes], path=f"pack entry {i}")
+    outs = copy.unpack(buf, layout, backend=backend)
+    for i, (t, o) in enumerate(zip(tensors, outs)):
+        assert_same(bits(o), bits(t), path=f"unpack[{i}]")
+        if copy.non_overlapping(t.shape, t.stride()):
+            assert o.stride() == t.stride() or o.numel() <= 1, f"unpack[{i}] strides {o.stride()} != {t.stride()}"
+    into = [torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device).permute(list(range(t.dim()))[::-1]) for t in tensors]
+    outs = copy.unpack(buf, layout, out=into, backend=backend)
+    for i, (t, o) in enumerate(zip(tensors, outs)):
+        assert o is into[i]
+        assert_same(bits(o), bits(t), path=f"unpack(out=)[{i}]")
+
+
+def check_copy(g: torch.Generator, device, max_tokens: int) -> None:
+    check_copy_case(random_copy_case(g, device, max_tokens * 16))
+
+
 # op name -> fn(generator, device, max_tokens): one random differential case (``python -m fastft check``)
-CHECKS = {"packing": check_packing, "routing": check_routing}
+CHECKS = {"packing": check_packing, "routing": check_routing, "copy": check_copy}
 
 
 # ---- hypothesis strategies -------------------------------------------------------------------------------
@@ -321,3 +400,4 @@ def window_strategy(max_window: int = 300):
 def routing_case_strategy(max_tokens: int = 96, device="cpu"):
     """Cases for ``check_routing_case`` (see ``random_routing_case``), drawn from a hypothesis seed."""
     return seeds_strategy().map(lambda seed: random_routing_case(torch.Generator().manual_seed(seed), device, max_tokens))
+

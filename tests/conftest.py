@@ -2,6 +2,9 @@ import os
 
 import torch
 
+# Deterministic cuBLAS for the tests that call torch.use_deterministic_algorithms (read when CUDA starts).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 if not torch.cuda.is_available():
     # No GPU: the Triton backend runs in Triton's interpreter on CPU tensors (set before Triton is imported).
     os.environ.setdefault("TRITON_INTERPRET", "1")
