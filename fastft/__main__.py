@@ -77,10 +77,36 @@ def cmd_check(args) -> int:
 
 
 def _bench_modules(names):
-    from fastft.bench import offload, packing, routing
+    from fastft.bench import offload, packing, routing, transformers
 
-    modules = {"packing": packing, "routing": routing, "offload": offload}
+    modules = {"packing": packing, "routing": routing, "offload": offload, "transformers": transformers}
     return {name: modules[name] for name in (names or modules)}
+
+
+def _record(device, rows) -> dict:
+    return {
+        "date": datetime.date.today().isoformat(), "device": _describe(device), "versions": _versions(),
+        "command": " ".join(["python -m fastft"] + sys.argv[1:]), "rows": rows,
+    }
+
+
+def cmd_bench_e2e(args, device) -> int:
+    from fastft.bench import e2e
+
+    if device.type != "cuda" or args.quick:
+        print("  [tiny configs: the numbers are not representative of real models]")
+    records = e2e.run(device, args.quick, args.model)
+    if not records:
+        return 2
+    print(e2e.format_table(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_record(device, records), f, indent=1)
+        print(f"wrote {args.json}")
+        png = os.path.splitext(args.json)[0] + ".png"
+        if e2e.chart(records, png):
+            print(f"wrote {png}")
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -89,18 +115,15 @@ def cmd_bench(args) -> int:
     device = _device(args.device)
     quick = args.quick or device.type != "cuda"
     print(f"bench on {_describe(device)}" + ("  [CPU: small sizes, numbers not representative]" if device.type != "cuda" else ""))
+    if args.e2e:
+        return cmd_bench_e2e(args, device)
     rows = []
     for module in _bench_modules(args.only).values():
         rows += module.run(device, quick)
     print(common.format_table(rows))
     if args.json:
-        record = {
-            "date": datetime.date.today().isoformat(), "device": _describe(device), "versions": _versions(),
-            "command": " ".join(["python -m fastft"] + sys.argv[1:]),
-            "rows": [dict(r.__dict__, speedup=r.speedup) for r in rows],
-        }
         with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+            json.dump(_record(device, [dict(r.__dict__, speedup=r.speedup) for r in rows]), f, indent=1)
         print(f"wrote {args.json}")
     return 0
 
@@ -146,12 +169,14 @@ def main(argv=None) -> int:
     p = sub.add_parser("bench", help="baseline vs fastft, median times and ratios")
     p.add_argument("--quick", action="store_true", help="small sizes (always on without a GPU)")
     p.add_argument("--json", help="also write the results to this file")
+    p.add_argument("--e2e", action="store_true", help="end-to-end fine-tuning steps of transformers models (the main job)")
+    p.add_argument("--model", action="append", help="with --e2e: only these models (repeatable)")
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("tune", help="measure launch parameters and rewrite autotune_cache/<arch>.json")
     p.set_defaults(fn=cmd_tune)
     for name in ("bench", "tune"):
         sub.choices[name].add_argument(
-            "--only", action="append", choices=["packing", "routing", "offload"], help="only these op families (repeatable)"
+            "--only", action="append", choices=["packing", "routing", "offload", "transformers"], help="only these op families (repeatable)"
         )
     for p in sub.choices.values():
         p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")

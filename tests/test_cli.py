@@ -33,3 +33,15 @@ def test_bench_quick_writes_json(tmp_path):
     record = json.loads(path.read_text())
     assert record["device"] and record["rows"] and all(r["fastft_ms"] > 0 for r in record["rows"])
     assert "sdpa_mask" in out.stdout and "speedup" in out.stdout
+
+
+def test_bench_e2e_runs_tiny_models(tmp_path):
+    import pytest
+
+    pytest.importorskip("transformers")
+    path = tmp_path / "e2e.json"
+    out = run("bench", "--e2e", "--quick", "--model", "Qwen3-0.6B", "--json", str(path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads(path.read_text())["rows"]
+    assert {r["column"] for r in rows} == {"naive glue", "stock sdpa", "fastft"}
+    assert all(r["step_ms"] > 0 and r["model"] == "Qwen3-0.6B" for r in rows)

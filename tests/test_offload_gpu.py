@@ -265,3 +265,18 @@ def test_pinned_pool_exact_sizes_and_reuse():
     c.view(torch.float32).copy_(gpu, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(c.view(torch.float32), gpu.cpu())
+
+
+def test_pinned_pool_falls_back_to_pageable_memory_with_one_warning(monkeypatch):
+    class FailingCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FailingCudart())
+    off = copy.Offloader("cuda")
+    x, y = torch.randn(1000, 100, device="cuda"), torch.randn(10, 10, device="cuda")
+    with pytest.warns(RuntimeWarning, match="page-locking .* failed") as record:
+        saved_x = off.offload(x)
+        off.offload(y)  # a second buffer: no second warning
+    assert len(record) == 1 and not off.pool.pinned and not saved_x.host.is_pinned()
+    assert torch.equal(off.reload(saved_x).wait(), x)  # x comes back from pageable host memory

@@ -1,0 +1,217 @@
+"""End-to-end fine-tuning step (``python -m fastft bench --e2e``): transformers models built from configs
+with random weights, one packed row of documents drawn from an SFT-like length distribution, LoRA
+(peft, when installed; else all weights train) with AdamW, bf16, gradient checkpointing on.
+
+Columns, one model build each, same weights and batch:
+- ``naive glue``: what the "25% faster" claim was measured against: packed attention that rebuilds the
+  document boundaries in every layer with host syncs, single-buffered offloaded checkpointing, and
+  transformers' per-expert MoE loop;
+- ``stock sdpa``: transformers with ``sdpa`` (its packed mask from position ids; gpt-oss: ``eager``, the
+  one that takes its attention sinks), ``torch.utils.checkpoint``, and its default experts
+  implementation (``grouped_mm``). (transformers' ``flex_attention`` column is not here yet: its
+  kernel compilation did not finish within the benchmark's time on the H100.)
+- ``fastft``: ``fastft.integrations.transformers.apply``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import types
+
+import torch
+import torch.nn.functional as F
+
+# name -> (config class, config fields, layers kept on a GPU). gpt-oss runs 4096 tokens: its attention sinks
+# need the eager attention, whose [heads, T, T] scores do not fit at 16k tokens.
+MODELS = {
+    "Llama-3.2-1B": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True), 16),
+    "Qwen3-0.6B": ("Qwen3Config", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True), 28),
+    "Qwen3-8B": ("Qwen3Config", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                                     num_key_value_heads=8, head_dim=128, vocab_size=151936), 8),
+    "Qwen3-30B-A3B": ("Qwen3MoeConfig", dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
+                                             num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
+                                             num_key_value_heads=4, head_dim=128, vocab_size=151936, decoder_sparse_step=1), 4),
+    "gpt-oss-20b": ("GptOssConfig", dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                                         num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                         vocab_size=201088, sliding_window=128), 4),
+}
+TINY = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_local_experts=8,
+            num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, sliding_window=16)
+COLUMNS = ("naive glue", "stock sdpa", "fastft")
+TOKENS = {"gpt-oss-20b": 4096}
+
+
+def sft_lengths(total: int, seed: int = 0, median: int = 380, max_len: int = 4096) -> list[int]:
+    """Document lengths, log-normal around ``median`` (sigma 1, as chat SFT sets are), summing to ``total``."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < total:
+        n = int(math.exp(math.log(median) + torch.randn((), generator=g).item()))
+        lengths.append(max(16, min(max_len, n)))
+    lengths[-1] -= sum(lengths) - total
+    return [n for n in lengths if n > 0]
+
+
+def _naive_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
+    """Packed attention the way per-layer glue does it: boundaries rebuilt in every layer, with syncs."""
+    from fastft.integrations import transformers as ft_hf
+
+    flat = kwargs["position_ids"].reshape(-1)
+    starts = (flat == 0).nonzero().flatten()  # sync
+    cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).int()
+    info = types.SimpleNamespace(cu_seqlens=cu, max_seqlen=int((cu[1:] - cu[:-1]).max()))  # sync
+    window = int(sliding_window) if sliding_window else None
+    if getattr(module, "sinks", None) is None and not dropout:
+        out = ft_hf._varlen_attention(query, key, value, info, scaling, window)
+        if out is not None:
+            return out, None
+    doc = torch.zeros_like(flat).index_fill_(0, starts[1:], 1).cumsum(0)
+    q, k = torch.arange(flat.numel(), device=flat.device)[:, None], torch.arange(flat.numel(), device=flat.device)[None]
+    ok = (doc[:, None] == doc[None]) & (k <= q) & ((q - k < window) if window else True)
+    if getattr(module, "sinks", None) is not None:
+        import sys
+
+        mask = torch.zeros(ok.shape, dtype=query.dtype, device=ok.device).masked_fill(~ok, float("-inf"))[None, None]
+        return sys.modules[type(module).__module__].eager_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=dropout)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=ok[None, None], scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _build(name: str, column: str, device, tiny: bool):
+    import transformers
+
+    import fastft
+    from fastft.integrations import transformers as ft_hf
+
+    config_cls, fields, layers = MODELS[name]
+    fields = dict(fields, num_hidden_layers=layers)
+    if tiny:
+        fields.update({k: v for k, v in TINY.items() if k in fields}, num_hidden_layers=2)
+    config = getattr(transformers, config_cls)(**fields, use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(device):  # initialise on the device: minutes on a CPU for billions of weights
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = model.train()
+    moe = ft_hf._has_experts(model)
+    if column == "fastft":
+        ft_hf.apply(model)
+    else:
+        if column == "naive glue":
+            transformers.AttentionInterface.register("naive_packed", _naive_attention)
+            model.set_attn_implementation("naive_packed")
+            model.gradient_checkpointing_enable()
+            single = fastft.OffloadConfig(enabled=True, double_buffer=False)
+            model._set_gradient_checkpointing(True, lambda f, *a, **k: fastft.offloaded_checkpoint(f, *a, offload_config=single, **k))
+        else:
+            model.set_attn_implementation("eager" if name.startswith("gpt-oss") else "sdpa")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if moe:
+            model.set_experts_implementation("eager" if column == "naive glue" else "grouped_mm")
+    try:
+        import peft
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj"] + ([] if moe else ["gate_proj", "up_proj", "down_proj"])
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets))
+        lora = True
+    except ImportError:
+        lora = False
+    return model, lora
+
+
+def _step_ms(model, batch, steps: int, device) -> tuple[float, int]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    times = []
+    for i in range(steps + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            if i == 2:
+                torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+        if start is not None:
+            start.record()
+        import time
+
+        t0 = time.perf_counter()
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            ms = (time.perf_counter() - t0) * 1000
+        if i >= 2:
+            times.append(ms)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    return statistics.median(times), peak
+
+
+def run(device: torch.device, quick: bool, models=None) -> list[dict]:
+    """One record per (model, column): median step ms, tokens/s, peak bytes."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("the end-to-end benchmark needs transformers (pip install transformers)")
+        return []
+    tiny = device.type != "cuda" or quick
+    records = []
+    for name in models or MODELS:
+        tokens = 256 if tiny else TOKENS.get(name, 16384)
+        lengths = sft_lengths(tokens, median=40 if tiny else 380)
+        ids = torch.randint(0, 256 if tiny else 128000, (1, tokens), generator=torch.Generator().manual_seed(1))
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        batch = {"input_ids": ids.to(device), "labels": ids.to(device), "position_ids": positions.to(device)}
+        for column in COLUMNS:
+            model, lora = _build(name, column, device, tiny)
+            try:
+                ms, peak = _step_ms(model, batch, 2 if tiny else 3, device)
+            except torch.OutOfMemoryError:
+                ms, peak = float("nan"), -1
+            records.append({"model": name, "column": column, "step_ms": ms, "tokens_per_s": tokens / ms * 1000,
+                            "peak_gib": peak / 2**30, "tokens": tokens, "documents": len(lengths), "lora": lora,
+                            "layers": 2 if tiny else MODELS[name][2]})
+            print(f"{name:14s} {column:11s} {ms:9.1f} ms/step  {tokens / ms * 1000:9.0f} tok/s  peak {peak / 2**30:6.2f} GiB", flush=True)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return records
+
+
+def format_table(records: list[dict]) -> str:
+    by = {(r["model"], r["column"]): r for r in records}
+    lines = ["| model | layers | tokens | column | step ms | tokens/s | peak GiB | fastft speedup |", "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        ours = by.get((r["model"], "fastft"))
+        ratio = f"{r['step_ms'] / ours['step_ms']:.2f}x" if ours and r["column"] != "fastft" else "-"
+        lines.append(f"| {r['model']} | {r['layers']} | {r['tokens']} | {r['column']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.2f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def chart(records: list[dict], path: str) -> bool:
+    """Bar chart of tokens/s per model and column, if matplotlib is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(dict.fromkeys(r["model"] for r in records))
+    columns = [c for c in COLUMNS if any(r["column"] == c for r in records)]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(columns)
+    for i, c in enumerate(columns):
+        values = [next((r["tokens_per_s"] for r in records if r["model"] == n and r["column"] == c), 0) for n in names]
+        ax.bar([x + i * width for x in range(len(names))], values, width, label=c)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names)
+    ax.set_ylabel("tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    return True

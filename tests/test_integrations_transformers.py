@@ -1,0 +1,218 @@
+"""fastft.integrations.transformers: MoE experts blocks of real transformers models (tiny configs)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import fastft  # noqa: E402
+import fastft.integrations.transformers as ft_hf  # noqa: E402
+
+GPU = torch.cuda.is_available()
+
+
+def tiny(name, dtype):
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=256)
+    if name == "llama":
+        config = transformers.LlamaConfig(**common, intermediate_size=64)
+        cls = transformers.LlamaForCausalLM
+    elif name == "qwen3":
+        config = transformers.Qwen3Config(**common, intermediate_size=64, layer_types=["sliding_attention", "full_attention"],
+                                          sliding_window=6, use_sliding_window=True, max_window_layers=0)
+        cls = transformers.Qwen3ForCausalLM
+    elif name == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=32, intermediate_size=64, num_experts=6,
+                                             num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        config = transformers.GptOssConfig(**common, intermediate_size=32, num_local_experts=5, num_experts_per_tok=2,
+                                           layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+        cls = transformers.GptOssForCausalLM
+    torch.manual_seed(0)
+    model = cls(config).to("cuda" if GPU else "cpu", dtype)
+    with torch.no_grad():  # gpt-oss initialises its expert biases to zero: make them matter
+        for name_, p in model.named_parameters():
+            if "bias" in name_:
+                p.normal_(0, 0.05)
+    return model.train()
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_moe_model_matches_transformers_eager(name, monkeypatch):
+    dtype = torch.bfloat16 if GPU else torch.float32
+    model = tiny(name, dtype)
+    ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(1)).to(model.device)
+    model.set_experts_implementation("eager")
+    loss, grads = loss_and_grads(model, ids)
+    ft_hf.use_moe(model)
+    assert model.config._experts_implementation == "fastft"
+    routed = []
+    monkeypatch.setattr(ft_hf, "moe_route", lambda *a, **k: routed.append(1) or fastft.moe_route(*a, **k))
+    loss2, grads2 = loss_and_grads(model, ids)
+    assert len(routed) == model.config.num_hidden_layers  # every experts block ran through fastft
+    # fp32: the same math in another summation order; bf16 (GPU): fastft sums the experts in fp32, eager in bf16
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(loss2, loss, **tol)
+    assert grads2.keys() == grads.keys()
+    for key in grads:
+        torch.testing.assert_close(grads2[key], grads[key], **tol, msg=key)
+
+
+def test_use_moe_rejects_other_objects():
+    with pytest.raises(TypeError, match="transformers PreTrainedModel"):
+        ft_hf.use_moe(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.gpu
+def test_experts_block_is_sync_free_on_gpu():
+    model = ft_hf.use_moe(tiny("gpt_oss", torch.bfloat16))
+    experts = model.model.layers[0].mlp.experts
+    x = torch.randn(512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.rand(512, 5, device="cuda").topk(2, dim=1).indices
+    ids[:7, 1] = 5  # an expert-parallel sentinel: not routed
+    w = torch.rand(512, 2, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = experts(x, ids, w)
+        out.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == x.shape and torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+
+
+# ---- packed attention and apply ----------------------------------------------------------------------------
+
+LENGTHS = [5, 9, 3, 11]  # documents of one packed row (the longest passes the 6-token sliding window)
+
+
+def packed_batch(device):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 128, (1, sum(LENGTHS)), generator=g).to(device)
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None].to(device)
+    return ids, positions
+
+
+def document_mask(positions, window, dtype):
+    """Additive [1, 1, T, T] mask, plain torch: same document, causal, inside the window."""
+    doc = (positions[0] == 0).cumsum(0)
+    q, k = torch.arange(len(doc)).to(doc.device)[:, None], torch.arange(len(doc)).to(doc.device)[None]
+    ok = (doc[:, None] == doc[None]) & (k <= q) & ((q - k < window) if window else True)
+    return torch.zeros(ok.shape, dtype=dtype, device=doc.device).masked_fill(~ok, float("-inf"))[None, None]
+
+
+def forward_grads(model, **batch):
+    model.zero_grad(set_to_none=True)
+    logits = model(**batch, use_cache=False).logits  # with a cache, stock transformers ignores packed position ids
+    logits.float().square().mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])
+def test_packed_batch_matches_stock_model_and_each_document_alone(name):
+    dtype = torch.bfloat16 if GPU else torch.float32
+    tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=1e-4)
+    model = tiny(name, dtype)
+    model.set_attn_implementation("eager" if name == "gpt_oss" else "sdpa")  # gpt-oss: sinks need eager
+    if name in ("qwen3_moe", "gpt_oss"):
+        model.set_experts_implementation("eager")
+    ids, positions = packed_batch(model.device)
+    stock_batch = dict(input_ids=ids, position_ids=positions)
+    if name == "gpt_oss":  # transformers 5.17's gpt-oss ignores packed position ids: give it the masks
+        stock_batch["attention_mask"] = {
+            "full_attention": document_mask(positions, None, dtype), "sliding_attention": document_mask(positions, 6, dtype),
+        }
+    stock_logits, stock_grads = forward_grads(model, **stock_batch)
+    ft_hf.apply(model, offload_checkpointing=False)
+    assert model.config._attn_implementation == "fastft"
+    logits, grads = forward_grads(model, input_ids=ids, position_ids=positions)
+    torch.testing.assert_close(logits, stock_logits, **tol)
+    for key in stock_grads:
+        torch.testing.assert_close(grads[key], stock_grads[key], **tol, msg=key)
+    start = 0
+    with torch.no_grad():
+        for n in LENGTHS:  # (b) each document alone, unpacked: no document saw another
+            alone = model(input_ids=ids[:, start:start + n]).logits
+            torch.testing.assert_close(logits[:, start:start + n], alone, **tol)
+            start += n
+
+
+def test_padding_mask_and_flattening_collator():
+    model = ft_hf.apply(tiny("llama", torch.float32).cpu(), offload_checkpointing=False)
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(1, 128, (5,), generator=g), torch.randint(1, 128, (8,), generator=g)
+    with torch.no_grad():
+        alone = [model(input_ids=x[None]).logits[0] for x in (a, b)]
+        left = torch.stack([torch.cat([torch.zeros(3, dtype=torch.long), a]), b])  # row 0 left-padded
+        mask = torch.tensor([[0, 0, 0] + [1] * 5, [1] * 8])
+        padded = model(input_ids=left, attention_mask=mask).logits
+        torch.testing.assert_close(padded[0, 3:], alone[0], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(padded[1], alone[1], atol=2e-5, rtol=1e-4)
+        for flash_kwargs in (False, True):  # position ids, or host cu_seq_lens (no sync on either)
+            collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+            batch = collate([{"input_ids": a.tolist()}, {"input_ids": b.tolist()}])
+            batch.pop("labels")
+            packed = model(**batch).logits[0]
+            torch.testing.assert_close(packed, torch.cat(alone), atol=2e-5, rtol=1e-4)
+
+
+def test_packed_attention_errors():
+    with pytest.raises(TypeError, match="transformers PreTrainedModel"):
+        ft_hf.apply(torch.nn.Linear(2, 2))
+    model = ft_hf.apply(tiny("llama", torch.float32).cpu(), offload_checkpointing=False)
+    ids = torch.randint(0, 128, (1, 6))
+    with pytest.raises(ValueError, match="as keyword arguments"):
+        model(ids, torch.ones(1, 6))
+    with pytest.raises(ValueError, match="2D padding attention_mask"):
+        model(input_ids=ids, attention_mask=torch.ones(1, 1, 6, 6))
+
+
+@pytest.mark.gpu
+def test_packed_llama_step_is_sync_free_with_collator_lengths():
+    model = ft_hf.apply(tiny("llama", torch.bfloat16), offload_checkpointing=False)
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    g = torch.Generator().manual_seed(3)
+    batch = collate([{"input_ids": torch.randint(0, 128, (n,), generator=g).tolist()} for n in (40, 7, 81)])
+    batch = {k: v.cuda() if k in ("input_ids", "labels", "position_ids") else v for k, v in batch.items()}  # lengths stay on the host
+    model(**batch).loss.backward()  # warm up (allocations, kernel compilation)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        logits.float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.gpu
+def test_varlen_path_runs_on_gpu():
+    if ft_hf._varlen() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    q = torch.randn(1, 4, 64, 16, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2, 1, 2, 64, 16, device="cuda", dtype=torch.bfloat16)
+    positions = torch.cat([torch.arange(n) for n in (20, 44)])[None].cuda()
+    for window in (None, 8):
+        out = ft_hf._varlen_attention(q, k, v, fastft.packed_seq_info(position_ids=positions), 0.25, window)
+        if out is None:
+            assert window is not None, "varlen must run the plain causal case"
+            continue
+        ref, _ = ft_hf.attention_forward(torch.nn.Module(), q.float(), k.float(), v.float(), None, scaling=0.25,
+                                         sliding_window=window, position_ids=positions)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_one_seq_info_per_forward_for_broadcast_position_ids():
+    q = torch.zeros(3, 2, 10, 4)
+    positions = torch.arange(10)[None]  # what transformers passes for plain rows: [1, T]
+    first = ft_hf._seq_info(q, {"position_ids": positions})
+    assert ft_hf._seq_info(q, {"position_ids": positions}) is first  # every later layer: the memo
+    assert first.cu_seqlens.tolist() == [0, 10, 20, 30]
