@@ -218,8 +218,15 @@ class PinnedPool:
         self.held_bytes -= buf.numel()  # dropped: unregistered by its finalizer
 
     def __del__(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()  # the free buffers die next: no copy may still use them
+        _synchronize(self._stream)  # the free buffers die next: no copy may still use them
+
+
+def _synchronize(stream) -> None:
+    try:
+        if stream is not None:
+            stream.synchronize()
+    except Exception:  # interpreter shutdown: CUDA may be gone already
+        pass
 
 
 def _unregister(ptr: int) -> None:
@@ -306,10 +313,7 @@ class Offloader:
         self.timeline: list | None = None
 
     def __del__(self) -> None:
-        # the GPU buffers return to the allocator next: no copy may still write them
-        stream = getattr(self, "copy_stream", None)
-        if stream is not None:
-            stream.synchronize()
+        _synchronize(getattr(self, "copy_stream", None))  # the GPU buffers return to the allocator next
 
     @property
     def num_buffers(self) -> int:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session: info, the whole test suite, tune, bench, check. Logs go to $OUT (or ./gpu_out).
+# One GPU session: info, the whole test suite, tune, bench (ops, then end to end), check. Logs go to $OUT (or ./gpu_out).
 # Usage: bash scripts/gpu_session.sh [--no-tune | --tune-only FAMILY]
 set -u
 OUT=${OUT:-gpu_out}
@@ -14,4 +14,5 @@ case "${1:-}" in
 esac
 cp autotune_cache/*.json "$OUT/" 2>/dev/null
 python3 -m fastft bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+python3 -m fastft bench --e2e --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log"
 python3 -m fastft check --seconds 30 2>&1 | tee "$OUT/check.log" | tail -n 5
