@@ -216,3 +216,19 @@ def test_one_seq_info_per_forward_for_broadcast_position_ids():
     first = ft_hf._seq_info(q, {"position_ids": positions})
     assert ft_hf._seq_info(q, {"position_ids": positions}) is first  # every later layer: the memo
     assert first.cu_seqlens.tolist() == [0, 10, 20, 30]
+
+
+def test_peft_lora_on_top_keeps_documents_apart():
+    peft = pytest.importorskip("peft")
+    model = ft_hf.apply(tiny("llama", torch.float32).cpu(), offload_checkpointing=False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(1, 128, (5,), generator=g), torch.randint(1, 128, (8,), generator=g)
+    with torch.no_grad():
+        alone = [model(input_ids=x[None]).logits[0] for x in (a, b)]
+        packed = model(input_ids=torch.cat([a, b])[None], position_ids=torch.cat([torch.arange(5), torch.arange(8)])[None]).logits[0]
+        left = torch.stack([torch.cat([torch.zeros(3, dtype=torch.long), a]), b])
+        padded = model(input_ids=left, attention_mask=torch.tensor([[0, 0, 0] + [1] * 5, [1] * 8])).logits
+    torch.testing.assert_close(packed, torch.cat(alone), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(padded[0, 3:], alone[0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(padded[1], alone[1], atol=2e-5, rtol=1e-4)
