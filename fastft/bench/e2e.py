@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 import types
 
 import torch
@@ -133,8 +134,6 @@ def _step_ms(model, batch, steps: int, device) -> tuple[float, int]:
         start = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
         if start is not None:
             start.record()
-        import time
-
         t0 = time.perf_counter()
         model(**batch).loss.backward()
         opt.step()
