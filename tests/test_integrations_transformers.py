@@ -69,6 +69,8 @@ def test_moe_model_matches_transformers_eager(name, monkeypatch):
 def test_use_moe_rejects_other_objects():
     with pytest.raises(TypeError, match="transformers PreTrainedModel"):
         ft_hf.use_moe(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="has no transformers experts blocks"):
+        ft_hf.use_moe(tiny("llama", torch.float32))
 
 
 @pytest.mark.gpu

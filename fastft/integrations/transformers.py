@@ -87,6 +87,8 @@ def use_moe(model):
     the model."""
     if not hasattr(model, "set_experts_implementation"):
         raise TypeError(f"model must be a transformers PreTrainedModel with experts blocks, got {type(model).__name__}")
+    if not _has_experts(model):
+        raise ValueError(f"{type(model).__name__} has no transformers experts blocks (use_experts_implementation) to route")
     register()
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     return model
