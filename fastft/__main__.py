@@ -77,9 +77,9 @@ def cmd_check(args) -> int:
 
 
 def _bench_modules(names):
-    from fastft.bench import offload, packing, routing, transformers
+    from fastft.bench import lora, offload, packing, routing, transformers
 
-    modules = {"packing": packing, "routing": routing, "offload": offload, "transformers": transformers}
+    modules = {"packing": packing, "routing": routing, "offload": offload, "lora": lora, "transformers": transformers}
     return {name: modules[name] for name in (names or modules)}
 
 
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     p.set_defaults(fn=cmd_tune)
     for name in ("bench", "tune"):
         sub.choices[name].add_argument(
-            "--only", action="append", choices=["packing", "routing", "offload", "transformers"], help="only these op families (repeatable)"
+            "--only", action="append", choices=["packing", "routing", "offload", "lora", "transformers"], help="only these op families (repeatable)"
         )
     for p in sub.choices.values():
         p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")

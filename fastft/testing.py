@@ -350,8 +350,50 @@ def check_copy(g: torch.Generator, device, max_tokens: int) -> None:
     check_copy_case(random_copy_case(g, device, max_tokens * 16))
 
 
-# op name -> fn(generator, device, max_tokens): one random differential case (``python -m fastft check``)
-CHECKS = {"packing": check_packing, "routing": check_routing, "copy": check_copy}
+def random_lora_case(g: torch.Generator, device, dtype, bias: bool = True) -> tuple:
+    """Arguments of ``fastft.lora.lora_linear`` of random sizes: ``x`` ``[2, n, in]`` of ``dtype`` (requires
+    grad), frozen ``weight``/``bias`` of ``dtype``, fp32 ``lora_a``/``lora_b`` (require grad), a scaling."""
+    n, fan_in, fan_out, rank = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((1, 40), (1, 70), (1, 70), (1, 17)))
+    x = torch.randn(2, n, fan_in, generator=g).to(device, dtype).requires_grad_()
+    weight = (torch.randn(fan_out, fan_in, generator=g) / fan_in ** 0.5).to(device, dtype)
+    b = torch.randn(fan_out, generator=g).to(device, dtype) if bias else None
+    lora_a = (torch.randn(rank, fan_in, generator=g) / fan_in ** 0.5).to(device).requires_grad_()
+    lora_b = torch.randn(fan_out, rank, generator=g).to(device).requires_grad_()
+    return x, weight, b, lora_a, lora_b, float(torch.rand((), generator=g)) * 4
+
+
+def check_lora_case(x, weight, bias, lora_a, lora_b, scaling, grad) -> None:
+    """``fastft.lora.lora_linear`` against ``fastft.reference.lora``: the output and the gradients of ``x``,
+    ``lora_a``, ``lora_b`` for the output gradient ``grad``; within 1e-5 of the largest value (or of 1) for
+    fp32 ``x``, else within 1% (the adapter path runs in ``x``'s dtype, the reference's in the adapters')."""
+    from fastft.lora import lora_linear
+    from fastft.reference import lora as ref
+
+    results = []
+    for fn in (lora_linear, ref.lora_linear):
+        for t in (x, lora_a, lora_b):
+            t.grad = None
+        y = fn(x, weight, bias, lora_a, lora_b, scaling)
+        y.backward(grad)
+        results.append((y.detach(), x.grad, lora_a.grad, lora_b.grad))
+    assert results[0][0].dtype == x.dtype and results[0][2].dtype == lora_a.dtype and results[0][3].dtype == lora_b.dtype
+    for name, got, want in zip(("out", "dx", "d lora_a", "d lora_b"), *results):
+        scale = max(1.0, float(want.abs().max()))  # products are summed in another order: error scales with the values
+        tol = dict(atol=1e-5 * scale, rtol=1e-5) if x.dtype == torch.float32 else dict(atol=1e-2 * scale, rtol=2e-2)
+        torch.testing.assert_close(got.float(), want.float(), **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def check_lora(g: torch.Generator, device, max_tokens: int) -> None:
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args = random_lora_case(g, device, dtype, bias=bool(torch.randint(2, (), generator=g)))
+    grad = torch.randn(args[0].shape[:-1] + (args[1].shape[0],), generator=g).to(device, dtype)
+    check_lora_case(*args, grad)
+
+
+# op name -> fn(generator, device, max_tokens): one random differential case (``python -m fastft check``);
+# lora (no Triton kernel) checks its op against its reference
+CHECKS = {"packing": check_packing, "routing": check_routing, "copy": check_copy, "lora": check_lora}
 
 
 # ---- hypothesis strategies -------------------------------------------------------------------------------

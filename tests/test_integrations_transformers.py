@@ -234,3 +234,35 @@ def test_peft_lora_on_top_keeps_documents_apart():
     torch.testing.assert_close(packed, torch.cat(alone), atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(padded[0, 3:], alone[0], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(padded[1], alone[1], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 8])
+def test_sink_attention_matches_gpt_oss_eager_on_gpu(window):
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    g = torch.Generator().manual_seed(4)
+    positions = torch.cat([torch.arange(n) for n in (1, 23, 9, 47)])[None].cuda()
+    info = fastft.packed_seq_info(position_ids=positions)
+    q = torch.randn(1, 8, 80, 64, generator=g).cuda()
+    k, v = torch.randn(2, 1, 2, 80, 64, generator=g).cuda()
+    sinks = torch.randn(8, generator=g).cuda()
+    grad = torch.randn(1, 80, 8, 64, generator=g).cuda()
+
+    def grads(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, sinks)]
+        out = fn(*leaves)
+        out.backward(grad.to(dtype))
+        return [out.detach().float()] + [t.grad.float() for t in leaves]
+
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups = 4
+
+    def eager(q_, k_, v_, s_):  # transformers' gpt-oss attention, fp32, with the fastft document mask
+        module.sinks = s_
+        return modeling_gpt_oss.eager_attention_forward(module, q_, k_, v_, info.sdpa_mask(window=window, dtype=torch.float32), 0.125)[0]
+
+    got = grads(lambda *t: ft_hf._sink_attention(*t[:3], t[3], info, 0.125, window), torch.bfloat16)
+    want = grads(eager, torch.float32)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(a, b, atol=2e-2 * float(b.abs().max()), rtol=2e-2, msg=name)

@@ -8,9 +8,12 @@ Columns, one model build each, same weights and batch:
   transformers' per-expert MoE loop;
 - ``stock sdpa``: transformers with ``sdpa`` (its packed mask from position ids; gpt-oss: ``eager``, the
   one that takes its attention sinks), ``torch.utils.checkpoint``, and its default experts
-  implementation (``grouped_mm``). (transformers' ``flex_attention`` column is not here yet: its
-  kernel compilation did not finish within the benchmark's time on the H100.)
-- ``fastft``: ``fastft.integrations.transformers.apply``.
+  implementation (``grouped_mm``);
+- ``stock flex``: the same with ``flex_attention``, transformers' fastest attention here without
+  flash-attn (GPU only: it compiles its kernels for minutes on the first step, which is not timed);
+- ``fastft, peft lora``: ``fastft.integrations.transformers.apply(model, lora=False)``, PEFT's own LoRA
+  forward (shows what the LoRA path adds);
+- ``fastft``: ``fastft.integrations.transformers.apply`` on the PEFT model.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ MODELS = {
 }
 TINY = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_local_experts=8,
             num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, sliding_window=16)
-COLUMNS = ("naive glue", "stock sdpa", "fastft")
+COLUMNS = ("naive glue", "stock sdpa", "stock flex", "fastft, peft lora", "fastft")
+GPU_ONLY = ("stock flex",)
 TOKENS = {"gpt-oss-20b": 4096}
 
 
@@ -97,20 +101,18 @@ def _build(name: str, column: str, device, tiny: bool):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = model.train()
     moe = ft_hf._has_experts(model)
-    if column == "fastft":
-        ft_hf.apply(model)
-    else:
-        if column == "naive glue":
-            transformers.AttentionInterface.register("naive_packed", _naive_attention)
-            model.set_attn_implementation("naive_packed")
-            model.gradient_checkpointing_enable()
-            single = fastft.OffloadConfig(enabled=True, double_buffer=False)
-            model._set_gradient_checkpointing(True, lambda f, *a, **k: fastft.offloaded_checkpoint(f, *a, offload_config=single, **k))
-        else:
-            model.set_attn_implementation("eager" if name.startswith("gpt-oss") else "sdpa")
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if moe:
-            model.set_experts_implementation("eager" if column == "naive glue" else "grouped_mm")
+    if column == "naive glue":
+        transformers.AttentionInterface.register("naive_packed", _naive_attention)
+        model.set_attn_implementation("naive_packed")
+        model.gradient_checkpointing_enable()
+        single = fastft.OffloadConfig(enabled=True, double_buffer=False)
+        model._set_gradient_checkpointing(True, lambda f, *a, **k: fastft.offloaded_checkpoint(f, *a, offload_config=single, **k))
+    elif column.startswith("stock"):
+        attention = "flex_attention" if column == "stock flex" else "eager" if name.startswith("gpt-oss") else "sdpa"
+        model.set_attn_implementation(attention)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if moe and not column.startswith("fastft"):
+        model.set_experts_implementation("eager" if column == "naive glue" else "grouped_mm")
     try:
         import peft
 
@@ -119,6 +121,8 @@ def _build(name: str, column: str, device, tiny: bool):
         lora = True
     except ImportError:
         lora = False
+    if column.startswith("fastft"):
+        ft_hf.apply(model, lora=column == "fastft")
     return model, lora
 
 
@@ -167,6 +171,8 @@ def run(device: torch.device, quick: bool, models=None) -> list[dict]:
         positions = torch.cat([torch.arange(n) for n in lengths])[None]
         batch = {"input_ids": ids.to(device), "labels": ids.to(device), "position_ids": positions.to(device)}
         for column in COLUMNS:
+            if column in GPU_ONLY and device.type != "cuda":
+                continue
             model, lora = _build(name, column, device, tiny)
             try:
                 ms, peak = _step_ms(model, batch, 2 if tiny else 3, device)
@@ -175,7 +181,7 @@ def run(device: torch.device, quick: bool, models=None) -> list[dict]:
             records.append({"model": name, "column": column, "step_ms": ms, "tokens_per_s": tokens / ms * 1000,
                             "peak_gib": peak / 2**30, "tokens": tokens, "documents": len(lengths), "lora": lora,
                             "layers": 2 if tiny else MODELS[name][2]})
-            print(f"{name:14s} {column:11s} {ms:9.1f} ms/step  {tokens / ms * 1000:9.0f} tok/s  peak {peak / 2**30:6.2f} GiB", flush=True)
+            print(f"{name:14s} {column:17s} {ms:9.1f} ms/step  {tokens / ms * 1000:9.0f} tok/s  peak {peak / 2**30:6.2f} GiB", flush=True)
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -11,6 +11,7 @@ experts blocks from fastft, through transformers' own registries (no model code 
 - ``use_moe(model)``: experts implementation ``"fastft"`` (transformers' experts registry), see
   ``experts_forward``.
 - offload: ``fastft.offload.enable_gradient_checkpointing``.
+- LoRA: PEFT LoRA linear layers through ``fastft.lora.lora_linear`` (``fastft.integrations.peft``).
 
 transformers (5.x; tested with 5.17) is imported only by the functions here.
 """
@@ -164,18 +165,73 @@ def _varlen_attention(query, key, value, info, scaling, window):
     return out.view(batch, tokens, heads, dim)
 
 
+@functools.cache
+def _flash_capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+class _SinkAttention(torch.autograd.Function):
+    """Causal flash variable-length attention whose every softmax row also holds a per-head sink logit that
+    attends to nothing (gpt-oss's attention sinks), from torch's flash kernels: with ``lse`` a row's
+    log-sum-exp, the sink leaves ``keep = sigmoid(lse - sink)`` of the row's mass, so the output is
+    ``keep * flash_out``. Backward is flash's backward given ``keep * grad`` and the final output (its
+    ``rowsum(grad * out)`` term then carries the sink), and ``d sink = -sum((1 - keep) * rowsum(grad * out))``.
+    ``q``: ``[N, H, D]``, ``k``/``v``: ``[N, H_kv, D]``, ``sinks``: ``[H]``; ``left``: keys left of the query
+    in the window, -1 for none."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu_seqlens, max_seqlen, scale, left):
+        out, lse = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False,
+            scale=scale, window_size_left=left, window_size_right=0)[:2]
+        keep = torch.sigmoid(lse - sinks.float()[:, None]).T[:, :, None]  # [N, H, 1]
+        y = (out * keep).to(q.dtype)
+        ctx.save_for_backward(q, k, v, y, lse, keep, cu_seqlens)
+        ctx.args = (max_seqlen, scale, left, sinks.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, y, lse, keep, cu = ctx.saved_tensors
+        max_seqlen, scale, left, sinks_dtype = ctx.args
+        no_rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout is 0: no random state (as torch's varlen_attn)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            (dy * keep).to(q.dtype), q, k, v, y, lse, cu, cu, max_seqlen, max_seqlen, 0.0, True, no_rng,
+            torch.empty(0, device=q.device), scale=scale, window_size_left=left, window_size_right=0)
+        dsinks = None
+        if ctx.needs_input_grad[3]:
+            dsinks = -((1 - keep[..., 0]) * (dy.float() * y.float()).sum(-1)).sum(0).to(sinks_dtype)
+        return dq, dk, dv, dsinks, None, None, None, None
+
+
+def _sink_attention(query, key, value, sinks, info, scaling, window):
+    """``_SinkAttention`` over the flattened stream, or None where torch's flash kernels cannot run it."""
+    batch, heads, tokens, dim = query.shape
+    if (not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16) or dim % 8 or dim > 256
+            or heads % key.shape[1] or not _flash_capable(query.device)):
+        return None
+    q, k, v = (t.transpose(1, 2).reshape(batch * tokens, t.shape[1], dim) for t in (query, key, value))
+    scale = scaling if scaling is not None else dim ** -0.5
+    out = _SinkAttention.apply(q, k, v, sinks, info.cu_seqlens, info.max_seqlen, scale, window - 1 if window else -1)
+    return out.view(batch, tokens, heads, dim)
+
+
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
     """transformers attention function ``"fastft"``: causal attention inside each document only.
 
     ``query`` is ``[B, H, T, D]``, ``key``/``value`` ``[B, H_kv, T, D]``; returns (``[B, T, H, D]``, None).
     Runs torch's flash variable-length attention where it can (CUDA, bf16/fp16, no dropout), else SDPA
-    with the fastft mask; modules with attention sinks (gpt-oss) use their own eager attention with it.
+    with the fastft mask. Modules with attention sinks (gpt-oss) run ``_SinkAttention`` on flash kernels
+    where they can, else their own eager attention with the fastft mask.
     """
     if key.shape[2] != query.shape[2]:
         raise ValueError("fastft packed attention needs keys for exactly the query tokens (training or prefill, no KV cache)")
     info = _seq_info(query, kwargs)
     window = int(sliding_window) if sliding_window else None
     if getattr(module, "sinks", None) is not None:
+        out = None if dropout else _sink_attention(query, key, value, module.sinks, info, scaling, window)
+        if out is not None:
+            return out, None
         eager = sys.modules[type(module).__module__].eager_attention_forward
         mask = info.sdpa_mask(window=window, dtype=query.dtype)
         return eager(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -229,11 +285,14 @@ def _has_experts(model) -> bool:
     return any(hasattr(m, "down_proj") and hasattr(m, "has_gate") and hasattr(m, "is_transposed") for m in model.modules())
 
 
-def apply(model, *, packing: bool = True, offload_checkpointing: bool = True, moe: bool = True):
-    """fastft for a transformers model, in place; returns the model. ``packing``: ``use_packed_attention``;
-    ``offload_checkpointing``: gradient checkpointing through ``fastft.offloaded_checkpoint``; ``moe``:
-    ``use_moe`` when the model has experts blocks."""
+def apply(model, *, packing: bool = True, offload_checkpointing: bool = True, moe: bool = True, lora: bool = True):
+    """fastft for a transformers model (or a PEFT model around one), in place; returns the model.
+    ``packing``: ``use_packed_attention``; ``offload_checkpointing``: gradient checkpointing through
+    ``fastft.offloaded_checkpoint``; ``moe``: ``use_moe`` when the model has experts blocks; ``lora``:
+    ``fastft.integrations.peft.use_lora`` when it has PEFT LoRA layers (so call ``apply`` after
+    ``peft.get_peft_model``)."""
     from ..offload import enable_gradient_checkpointing
+    from . import peft as ft_peft
 
     if not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
@@ -241,6 +300,8 @@ def apply(model, *, packing: bool = True, offload_checkpointing: bool = True, mo
         use_packed_attention(model)
     if moe and _has_experts(model):
         use_moe(model)
+    if lora and ft_peft.has_lora(model):
+        ft_peft.use_lora(model)
     if offload_checkpointing:
         enable_gradient_checkpointing(model)
     return model

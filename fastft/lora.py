@@ -1,0 +1,85 @@
+"""LoRA linear without the casts and elementwise passes around the adapter (``lora_linear``).
+
+PEFT's LoRA forward with fp32 adapters (its default) on bf16 activations casts the whole input to fp32,
+runs two fp32 GEMMs, scales and adds an fp32 ``[tokens, out]`` tensor and casts the sum back: five passes
+over activation-sized tensors per layer and direction, around a rank-16 product. Here the adapters are
+cast instead (``r * (in + out)`` elements), the low-rank product is added by the GEMM itself (``addmm``),
+and backward runs four thin GEMMs. There is no Triton kernel: the saving is in the order of operations,
+and cuBLAS runs every product.
+
+Numerics: the adapter path runs in the activations' dtype with the GEMMs' fp32 accumulation, so the output
+differs from the reference (``fastft.reference.lora``) by the rounding of that dtype; with fp32 inputs it
+matches to fp32 rounding. Adapter gradients come back in the adapters' dtype. The base weight and bias are
+frozen: ``lora_linear`` raises if they require grad.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class _LoRALinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling):
+        x2 = x.reshape(-1, x.shape[-1])
+        a = lora_a.to(x.dtype)
+        bs = (lora_b * scaling).to(x.dtype)
+        xa = x2 @ a.T  # [N, r]
+        out = F.linear(x2, weight, bias)
+        out.addmm_(xa, bs.T)
+        ctx.save_for_backward(x2 if lora_a.requires_grad else None, xa, weight, a, bs)
+        ctx.scaling, ctx.shape = scaling, x.shape
+        ctx.dtypes = (lora_a.dtype, lora_b.dtype)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, xa, weight, a, bs = ctx.saved_tensors
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        if dy.dtype != a.dtype:
+            dy = dy.to(a.dtype)
+        dxa = dy @ bs  # [N, r]
+        dx = da = db = None
+        if ctx.needs_input_grad[0]:
+            dx = (dy @ weight).addmm_(dxa, a).view(ctx.shape)
+        if ctx.needs_input_grad[3]:
+            da = (dxa.T @ x2).to(ctx.dtypes[0])
+        if ctx.needs_input_grad[4]:
+            db = (dy.T @ xa).to(ctx.dtypes[1]) * ctx.scaling
+        return dx, None, None, da, db, None
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``x @ weight.T + bias + scaling * (x @ lora_a.T) @ lora_b.T`` in ``x``'s dtype, differentiable in
+    ``x``, ``lora_a`` and ``lora_b``.
+
+    ``x``: ``[..., in]`` floating; ``weight``: ``[out, in]`` frozen, ``x``'s dtype; ``bias``: ``[out]`` frozen
+    or None; ``lora_a``: ``[r, in]``; ``lora_b``: ``[out, r]``; ``scaling``: a Python number. All on one device.
+    """
+    for name, t in (("x", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)) + ((("bias", bias),) if bias is not None else ()):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}: all must be on one device")
+    if weight.dim() != 2 or lora_a.dim() != 2 or lora_b.dim() != 2 or x.dim() < 1:
+        raise ValueError(f"expected weight [out, in], lora_a [r, in], lora_b [out, r], x [..., in]; got weight {tuple(weight.shape)}, "
+                         f"lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}, x {tuple(x.shape)}")
+    out_features, in_features = weight.shape
+    rank = lora_a.shape[0]
+    if x.shape[-1] != in_features or lora_a.shape[1] != in_features:
+        raise ValueError(f"x [..., {x.shape[-1]}] and lora_a [r, {lora_a.shape[1]}] must match weight's in features {in_features}")
+    if lora_b.shape != (out_features, rank):
+        raise ValueError(f"lora_b must be [out, r] = [{out_features}, {rank}], got {tuple(lora_b.shape)}")
+    if bias is not None and bias.shape != (out_features,):
+        raise ValueError(f"bias must be [{out_features}], got {tuple(bias.shape)}")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise TypeError(f"weight and bias must have x's dtype {x.dtype}, got {weight.dtype}" + (f" and {bias.dtype}" if bias is not None else ""))
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        raise ValueError("lora_linear takes a frozen base layer: weight and bias must not require grad")
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+        raise TypeError(f"scaling must be a Python number, got {type(scaling).__name__}")
+    return _LoRALinear.apply(x, weight, bias, lora_a, lora_b, float(scaling))
