@@ -388,9 +388,10 @@ class Offloader:
             i = self._next
             self._next = (i + 1) % len(self._buffers)
             old = self._buffers[i]
-            if old is None or old.numel() < saved.nbytes or self._in_use(i):
+            in_use = old is not None and self._in_use(i)
+            if old is None or old.numel() < saved.nbytes or in_use:
                 if old is not None:
-                    if self._in_use(i):
+                    if in_use:
                         self.stats["fresh_buffers"] += 1
                     # a pending copy into the dropped buffer must finish before its memory is reused
                     torch.cuda.current_stream(self.device).wait_event(self._resident[i].event)

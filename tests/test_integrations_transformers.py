@@ -220,10 +220,15 @@ def test_one_seq_info_per_forward_for_broadcast_position_ids():
     assert first.cu_seqlens.tolist() == [0, 10, 20, 30]
 
 
-def test_peft_lora_on_top_keeps_documents_apart():
+@pytest.mark.parametrize("apply_first", [True, False])
+def test_peft_lora_keeps_documents_apart(apply_first):
     peft = pytest.importorskip("peft")
-    model = ft_hf.apply(tiny("llama", torch.float32).cpu(), offload_checkpointing=False)
+    model = tiny("llama", torch.float32).cpu()
+    if apply_first:  # packing only: PEFT's LoRA forward
+        model = ft_hf.apply(model, offload_checkpointing=False)
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    if not apply_first:  # on the PEFT model: packing through its wrapper, and lora_linear
+        model = ft_hf.apply(model, offload_checkpointing=False)
     g = torch.Generator().manual_seed(2)
     a, b = torch.randint(1, 128, (5,), generator=g), torch.randint(1, 128, (8,), generator=g)
     with torch.no_grad():
