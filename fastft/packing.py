@@ -106,10 +106,11 @@ def _(doc_ids, window, dtype, backend):
 
 @custom_op("fastft::packing_block_tables")
 def _block_tables_op(doc_ids: torch.Tensor, window: int, block_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(num [2, 2, B, 1, nb], idx [2, 2, B, 1, nb, nb]): [kv/q side, partial/full kind] of the 8 tables."""
+    """(num [4, B, 1, nb], idx [4, B, 1, nb, nb]): the 8 tables; index 0-3 = kv partial, kv full, q partial,
+    q full."""
     if backend == "torch":
         tables = reference.block_mask_tables(doc_ids, window, block_size)
-        return torch.stack(tables[0::2]).unflatten(0, (2, 2)), torch.stack(tables[1::2]).unflatten(0, (2, 2))
+        return torch.stack(tables[0::2]), torch.stack(tables[1::2])
     from .kernels import packing as kernels
 
     cfg = autotune.params(OP_BLOCK_TABLES, doc_ids.device, doc_ids.shape[-1])
@@ -120,7 +121,7 @@ def _block_tables_op(doc_ids: torch.Tensor, window: int, block_size: int, backen
 def _(doc_ids, window, block_size, backend):
     b, t = doc_ids.shape
     nb = -(-t // block_size)
-    return doc_ids.new_empty((2, 2, b, 1, nb), dtype=torch.int32), doc_ids.new_empty((2, 2, b, 1, nb, nb), dtype=torch.int32)
+    return doc_ids.new_empty((4, b, 1, nb), dtype=torch.int32), doc_ids.new_empty((4, b, 1, nb, nb), dtype=torch.int32)
 
 
 # ---- the info -----------------------------------------------------------------------------------------
@@ -271,8 +272,8 @@ _HAS_COMPUTE_Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_k
 
 def _make_block_mask(tables, doc_ids, window, block_size):
     # One unbind per table stack: indexing the eight views one by one costs more host time than the kernel.
-    kv_num, kv_full_num, q_num, q_full_num = tables[0].flatten(0, 1).unbind(0)
-    kv_idx, kv_full_idx, q_idx, q_full_idx = tables[1].flatten(0, 1).unbind(0)
+    kv_num, kv_full_num, q_num, q_full_num = tables[0].unbind(0)
+    kv_idx, kv_full_idx, q_idx, q_full_idx = tables[1].unbind(0)
     t = doc_ids.shape[-1]
     kwargs = dict(BLOCK_SIZE=block_size, mask_mod=document_mask_mod(doc_ids, window), seq_lengths=(t, t))
     kv = (kv_num, kv_idx, kv_full_num, kv_full_idx)

@@ -17,6 +17,8 @@ Rules (the torch reference in ``fastft/reference/routing.py`` is the specificati
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 from typing import Optional
 
 import torch
@@ -29,25 +31,30 @@ OP_ROUTE = dispatch.register("routing.route")
 OP_PERMUTE = dispatch.register("routing.permute")
 OP_UNPERMUTE = dispatch.register("routing.unpermute")
 OP_EXPERT_ROWS = dispatch.register("routing.expert_rows")
-_EXPERT_ROWS_BACKWARD = "routing.expert_rows_backward"  # launch parameters only; dispatched with expert_rows
+# Launch parameters only; dispatched with the forward op.
+_UNPERMUTE_BACKWARD = "routing.unpermute_backward"
+_EXPERT_ROWS_BACKWARD = "routing.expert_rows_backward"
 
 autotune.DEFAULTS.update({
-    OP_ROUTE: {"BLOCK": 1024, "SLOT_BLOCK": 1024, "SCAN_E": 64, "SCAN_WARPS": 8, "num_warps": 8},
+    OP_ROUTE: {"BLOCK": 1024, "SLOT_BLOCK": 1024, "SCAN_E": 64, "num_warps": 8},
     OP_PERMUTE: {"ROWS": 2, "BLOCK_H": 1024, "PAD_ROWS": 256, "num_warps": 4},
     OP_UNPERMUTE: {"ROWS": 1, "BLOCK_H": 1024, "num_warps": 4},
+    _UNPERMUTE_BACKWARD: {"ROWS": 1, "BLOCK_H": 2048, "PAD_ROWS": 256, "num_warps": 4},
     OP_EXPERT_ROWS: {"ROWS": 2, "BLOCK_H": 1024, "num_warps": 4},
     _EXPERT_ROWS_BACKWARD: {"ROWS": 16, "BLOCK_H": 256, "num_warps": 4},
 })
 _ROWS_CPU = {"ROWS": 64, "BLOCK_H": 32}
 autotune.INTERPRETER.update({
     OP_ROUTE: {"BLOCK": 64, "SLOT_BLOCK": 64},
-    OP_PERMUTE: {**_ROWS_CPU, "PAD_ROWS": 128}, OP_UNPERMUTE: _ROWS_CPU, OP_EXPERT_ROWS: _ROWS_CPU, _EXPERT_ROWS_BACKWARD: _ROWS_CPU,
+    OP_PERMUTE: {**_ROWS_CPU, "PAD_ROWS": 128}, _UNPERMUTE_BACKWARD: {**_ROWS_CPU, "PAD_ROWS": 128},
+    OP_UNPERMUTE: _ROWS_CPU, OP_EXPERT_ROWS: _ROWS_CPU, _EXPERT_ROWS_BACKWARD: _ROWS_CPU,
 })
 
 _INT32_MAX = 2**31 - 1
 
 
 
+@functools.cache
 def _kernels():
     from .kernels import routing
 
@@ -67,12 +74,6 @@ def _pack(pieces) -> torch.Tensor:
     return torch.cat([p.reshape(-1) for p in pieces])
 
 
-def _unpack(packed: torch.Tensor, t: int, k: int, sizes) -> list[torch.Tensor]:
-    pieces = list(packed.split(sizes))
-    pieces[5] = pieces[5].view(t, k)
-    return pieces
-
-
 @custom_op("fastft::moe_route")
 def _route_op(
     topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map: Optional[torch.Tensor],
@@ -81,16 +82,16 @@ def _route_op(
     """One int32 buffer holding the six routing tensors (see ``_layout``): one allocation, one output."""
     t, k = topk_ids.shape
     n = t * k
-    cap = reference.capacity(n, num_local_experts, block_size)
-    sizes = _layout(t, k, num_local_experts, cap, block_size)
     if backend == "torch" or n == 0:
         counts, offsets, padded, sorted_pair, inverse, expert_of_block = reference.route(
             topk_ids, num_experts, block_size, expert_map, num_local_experts
         )
         return _pack([counts, offsets, padded, sorted_pair, expert_of_block, inverse])
+    cap = reference.capacity(n, num_local_experts, block_size)
+    starts = list(itertools.accumulate(_layout(t, k, num_local_experts, cap, block_size)))  # piece i ends at starts[i]
+    packed = torch.empty(starts[-1], dtype=torch.int32, device=topk_ids.device)
     cfg = autotune.params(OP_ROUTE, topk_ids.device, n)
-    packed = torch.empty(sum(sizes), dtype=torch.int32, device=topk_ids.device)
-    _kernels().route(topk_ids, num_experts, block_size, expert_map, num_local_experts, cap, _unpack(packed, t, k, sizes), **cfg)
+    _kernels().route(topk_ids, num_experts, block_size, expert_map, num_local_experts, cap, packed, starts[:-1], **cfg)
     return packed
 
 
@@ -137,7 +138,7 @@ def _unpermute_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "torch":
         return reference.unpermute_backward(dy, ys, sorted_pair, weights.shape[1], weights)
-    cfg = autotune.params(OP_PERMUTE, ys.device, ys.numel())
+    cfg = autotune.params(_UNPERMUTE_BACKWARD, ys.device, ys.numel())
     return _kernels().unpermute_backward(dy, ys, sorted_pair, inverse, weights, **cfg)
 
 
@@ -318,11 +319,12 @@ def moe_route(
         raise ValueError(f"T*K={n} pairs need {cap} slots; int32 slot indices allow at most {_INT32_MAX}")
     chosen = dispatch.backend_for(OP_ROUTE, topk_ids.device, backend)
     packed = _route_op(topk_ids.detach(), num_experts, block_size, expert_map, num_local, chosen)
-    counts, offsets, padded, sorted_pair, expert_of_block, inverse = _unpack(
-        packed, t, k, _layout(t, k, num_local, cap, block_size)
+    counts, offsets, padded, sorted_pair, expert_of_block, inverse = packed.split_with_sizes(
+        _layout(t, k, num_local, cap, block_size)
     )
     return MoERouting(
-        counts, offsets, padded, sorted_pair, inverse, expert_of_block, t, k, num_experts, num_local, block_size, cap, backend
+        counts, offsets, padded, sorted_pair, inverse.view(t, k), expert_of_block, t, k, num_experts, num_local,
+        block_size, cap, backend,
     )
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import cdiv, launch
 
 MAX_DIMS = 6
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -99,7 +99,7 @@ def strided_copy(src: torch.Tensor, dst: torch.Tensor, *, BLOCK: int, num_warps:
     sizes = [z for z, _, _ in dims[:-1]] + [1] * (MAX_DIMS - len(dims))
     pad = [0] * (MAX_DIMS - len(dims))
     launch(
-        _strided_copy_kernel, (triton.cdiv(n, BLOCK),), src, dst, n, *sizes[:MAX_DIMS - 1],
+        _strided_copy_kernel, (cdiv(n, BLOCK),), src, dst, n, *sizes[:MAX_DIMS - 1],
         *[s for _, s, _ in dims], *pad, *[d for _, _, d in dims], *pad,
         RANK=len(dims), WIDE=max(n, extent) >= 2**31, BLOCK=BLOCK, num_warps=num_warps,
     )

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import cdiv, launch, next_power_of_2
 
 
 @triton.jit
@@ -82,7 +82,7 @@ def boundaries_from_position_ids(position_ids: torch.Tensor, *, BLOCK: int, num_
     doc = torch.empty(position_ids.shape, dtype=torch.int32, device=position_ids.device)
     pos = torch.empty(position_ids.shape, dtype=torch.int64, device=position_ids.device)
     starts = torch.empty(n + 1, dtype=torch.int32, device=position_ids.device)
-    grid = triton.cdiv(n, BLOCK)
+    grid = cdiv(n, BLOCK)
     count = torch.empty(grid, dtype=torch.int32, device=position_ids.device)
     last = torch.empty(grid, dtype=torch.int64, device=position_ids.device)
     summary = torch.empty(2, dtype=torch.int32, device=position_ids.device)
@@ -117,7 +117,7 @@ def boundaries_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int, *, BLO
     pos = torch.empty(num_tokens, dtype=torch.int64, device=cu_seqlens.device)
     steps = max(1, (num_seqs - 1).bit_length())
     launch(
-        _from_cu_seqlens_kernel, (triton.cdiv(num_tokens, BLOCK),), cu_seqlens, num_seqs, doc, pos, num_tokens,
+        _from_cu_seqlens_kernel, (cdiv(num_tokens, BLOCK),), cu_seqlens, num_seqs, doc, pos, num_tokens,
         BLOCK=BLOCK, STEPS=steps, num_warps=num_warps,
     )
     return doc, pos
@@ -173,7 +173,7 @@ def sdpa_mask(doc_ids: torch.Tensor, window: int, dtype: torch.dtype, *, BLOCK_Q
     out = torch.empty((b, 1, t, t), dtype=dtype, device=doc_ids.device)
     pack = 4 if dtype == torch.bool and t % 4 == 0 else 1
     view = out.view(torch.int32 if pack == 4 else torch.uint8) if dtype == torch.bool else out
-    grid = (triton.cdiv(t, BLOCK_Q), triton.cdiv(t // pack, BLOCK_K), b)
+    grid = (cdiv(t, BLOCK_Q), cdiv(t // pack, BLOCK_K), b)
     launch(
         _sdpa_mask_kernel, grid, doc_ids, view, t, window,
         BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, FLOAT=dtype != torch.bool, PACK=pack, num_warps=num_warps,
@@ -241,13 +241,13 @@ def _block_tables_kernel(doc_ptr, t, window, num_blocks, batch, num_ptr, idx_ptr
 
 def block_mask_tables(doc_ids: torch.Tensor, window: int, block_size: int, *, num_warps: int):
     """BlockMask tables (see the reference) for contiguous ``[B, T]`` int32 document ids, T >= 1, stacked:
-    ``num[side, kind]`` and ``idx[side, kind]`` with side 0 = kv / 1 = q tables, kind 0 = partial / 1 = full."""
+    ``num[2 * side + kind]`` and ``idx[2 * side + kind]``, side 0 = kv / 1 = q tables, kind 0 = partial / 1 = full."""
     b, t = doc_ids.shape
-    nb = triton.cdiv(t, block_size)
-    num = torch.empty((2, 2, b, 1, nb), dtype=torch.int32, device=doc_ids.device)
-    idx = torch.empty((2, 2, b, 1, nb, nb), dtype=torch.int32, device=doc_ids.device)
+    nb = cdiv(t, block_size)
+    num = torch.empty((4, b, 1, nb), dtype=torch.int32, device=doc_ids.device)
+    idx = torch.empty((4, b, 1, nb, nb), dtype=torch.int32, device=doc_ids.device)
     launch(
         _block_tables_kernel, (nb, b, 2), doc_ids, t, window, nb, b, num, idx,
-        BLOCK_SIZE=block_size, CHUNK=min(triton.next_power_of_2(nb), 1024), num_warps=num_warps,
+        BLOCK_SIZE=block_size, CHUNK=min(next_power_of_2(nb), 1024), num_warps=num_warps,
     )
     return num, idx

@@ -1,12 +1,11 @@
 """Triton kernels for MoE token routing (spec: fastft/reference/routing.py).
 
-Routing is three launches over blocks of ``BLOCK`` pairs:
+Routing is two launches over blocks of ``BLOCK`` pairs:
   1. sort: each program sorts its pairs by (local expert, pair) and writes, per sorted position, the
      expert and (rank inside its expert's run, pair offset), plus the block's histogram row;
-  2. scan (one program): expert counts, offsets, padded offsets, and the histogram turned in place into
-     each (block, expert)'s first slot;
-  3. scatter: slot = first slot + rank -> sorted_pair and inverse; every program also fills its share of
-     the padding slots (-1) and expert_of_block.
+  2. scatter: each program reduces the histogram itself (counts, offsets, padded offsets, and its own
+     block's first slot per expert), then slot = first slot + rank -> sorted_pair and inverse; every
+     program also fills its share of the padding slots (-1) and expert_of_block.
 Launch wrappers take explicit launch parameters; choosing them is fastft.routing's job. Row addressing
 is int64, so tensors past 2**31 elements address correctly.
 """
@@ -17,17 +16,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import cdiv, launch, next_power_of_2
 from .packing import _max_combine
 
 
 @triton.jit(do_not_specialize=["n", "top_k", "stride_t", "stride_k", "num_experts", "num_local"])
 def _route_sort_kernel(
-    ids_ptr, stride_t, stride_k, top_k, n, num_experts, map_ptr, num_local,
-    expert_ptr, rank_ptr, hist_ptr,
+    ids_ptr, stride_t, stride_k, top_k, n, num_experts, map_ptr, num_local, scratch_ptr, rank_off, hist_off,
     BLOCK: tl.constexpr, E_CHUNK: tl.constexpr, HAS_MAP: tl.constexpr, KEY64: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    expert_ptr = scratch_ptr
+    rank_ptr = scratch_ptr + rank_off
+    hist_row = scratch_ptr + hist_off + pid.to(tl.int64) * num_local
     j = tl.arange(0, BLOCK)
     base = pid.to(tl.int64) * BLOCK
     p = base + j
@@ -47,7 +48,7 @@ def _route_sort_kernel(
 
     for e0 in range(0, num_local, E_CHUNK):  # zero this block's histogram row
         e = e0 + tl.arange(0, E_CHUNK)
-        tl.store(hist_ptr + pid.to(tl.int64) * num_local + e, tl.zeros((E_CHUNK,), dtype=tl.int32), mask=e < num_local)
+        tl.store(hist_row + e, tl.zeros((E_CHUNK,), dtype=tl.int32), mask=e < num_local)
     tl.store(expert_ptr + p, sorted_expert)
     tl.debug_barrier()  # neighbours' experts and the zeroed row are visible to the whole program
     prev = tl.load(expert_ptr + p - 1, mask=j > 0, other=-1)
@@ -56,16 +57,32 @@ def _route_sort_kernel(
     rank = j - run_start
     tl.store(rank_ptr + p, rank * BLOCK + pair_offset)
     run_end = (sorted_expert != nxt) & (sorted_expert < num_local)
-    tl.store(hist_ptr + pid.to(tl.int64) * num_local + sorted_expert, rank + 1, mask=run_end)
+    tl.store(hist_row + sorted_expert, rank + 1, mask=run_end)
 
 
-@triton.jit(do_not_specialize=["num_blocks", "num_local", "block_size"])
-def _route_scan_kernel(
-    hist_ptr, counts_ptr, offsets_ptr, padded_ptr, num_blocks, num_local, block_size,
-    B_CHUNK: tl.constexpr, E_CHUNK: tl.constexpr,
+@triton.jit(do_not_specialize=[
+    "n", "num_local", "capacity", "num_blocks", "block_size", "o_offsets", "o_padded", "o_sorted", "o_eob", "o_inverse",
+])
+def _route_scatter_kernel(
+    scratch_ptr, rank_off, hist_off, first_off, out_ptr, o_offsets, o_padded, o_sorted, o_eob, o_inverse,
+    n, num_local, capacity, num_blocks, block_size,
+    BLOCK: tl.constexpr, SLOT_BLOCK: tl.constexpr, STEPS: tl.constexpr, B_CHUNK: tl.constexpr, E_CHUNK: tl.constexpr,
 ):
-    # One program. Per chunk of experts: column sums (counts), then the histogram in place becomes
-    # padded_offsets[e] + (pairs of expert e in earlier blocks): the first slot of each (block, expert).
+    pid = tl.program_id(0)
+    expert_ptr = scratch_ptr
+    rank_ptr = scratch_ptr + rank_off
+    hist_ptr = scratch_ptr + hist_off
+    first_row = scratch_ptr + first_off + pid.to(tl.int64) * num_local
+    counts_ptr = out_ptr
+    offsets_ptr = out_ptr + o_offsets
+    padded_ptr = out_ptr + o_padded
+    sorted_pair_ptr = out_ptr + o_sorted
+    expert_of_block_ptr = out_ptr + o_eob
+    inverse_ptr = out_ptr + o_inverse
+
+    # Every program reduces the whole histogram itself (no cross-program dependency, so one launch fewer):
+    # counts, offsets and padded offsets, which every program writes (the same values), and for its own
+    # block the first slot of each expert: padded_offsets[e] + pairs of expert e in earlier blocks.
     carry = tl.zeros((), dtype=tl.int32)
     carry_padded = tl.zeros((), dtype=tl.int32)
     tl.store(offsets_ptr, 0)
@@ -74,35 +91,24 @@ def _route_scan_kernel(
         e = e0 + tl.arange(0, E_CHUNK)
         e_in = e < num_local
         total = tl.zeros((E_CHUNK,), dtype=tl.int32)
+        before = tl.zeros((E_CHUNK,), dtype=tl.int32)
         for b0 in range(0, num_blocks, B_CHUNK):
             b = b0 + tl.arange(0, B_CHUNK)
             m = (b < num_blocks)[:, None] & e_in[None, :]
-            total += tl.sum(tl.load(hist_ptr + b.to(tl.int64)[:, None] * num_local + e[None, :], mask=m, other=0), axis=0)
+            tile = tl.load(hist_ptr + b.to(tl.int64)[:, None] * num_local + e[None, :], mask=m, other=0)
+            total += tl.sum(tile, axis=0)
+            before += tl.sum(tl.where((b < pid)[:, None], tile, 0), axis=0)
         padded = (total + block_size - 1) // block_size * block_size
         padded_end = carry_padded + tl.cumsum(padded, axis=0)
         tl.store(counts_ptr + e, total, mask=e_in)
         tl.store(offsets_ptr + 1 + e, carry + tl.cumsum(total, axis=0), mask=e_in)
         tl.store(padded_ptr + 1 + e, padded_end, mask=e_in)
-        first = padded_end - padded
-        for b0 in range(0, num_blocks, B_CHUNK):
-            b = b0 + tl.arange(0, B_CHUNK)
-            m = (b < num_blocks)[:, None] & e_in[None, :]
-            ptrs = hist_ptr + b.to(tl.int64)[:, None] * num_local + e[None, :]
-            tile = tl.load(ptrs, mask=m, other=0)
-            tl.store(ptrs, first[None, :] + tl.cumsum(tile, axis=0) - tile, mask=m)
-            first += tl.sum(tile, axis=0)
+        if pid < num_blocks:
+            tl.store(first_row + e, padded_end - padded + before, mask=e_in)
         carry += tl.sum(total, axis=0)
         carry_padded += tl.sum(padded, axis=0)
+    tl.debug_barrier()  # this program's first slots, counts and padded offsets are visible to all its threads
 
-
-@triton.jit(do_not_specialize=["n", "num_local", "capacity", "num_blocks", "block_size"])
-def _route_scatter_kernel(
-    expert_ptr, rank_ptr, first_ptr, counts_ptr, padded_ptr,
-    sorted_pair_ptr, inverse_ptr, expert_of_block_ptr,
-    n, num_local, capacity, num_blocks, block_size,
-    BLOCK: tl.constexpr, SLOT_BLOCK: tl.constexpr, STEPS: tl.constexpr,
-):
-    pid = tl.program_id(0)
     if pid < num_blocks:
         j = tl.arange(0, BLOCK)
         base = pid.to(tl.int64) * BLOCK
@@ -111,7 +117,7 @@ def _route_scatter_kernel(
         p = base + packed % BLOCK
         valid = p < n
         routed = valid & (expert < num_local)
-        first = tl.load(first_ptr + pid.to(tl.int64) * num_local + expert, mask=routed, other=0)
+        first = tl.load(first_row + expert, mask=routed, other=0)
         slot = first + packed // BLOCK
         tl.store(sorted_pair_ptr + slot, p.to(tl.int32), mask=routed)
         tl.store(inverse_ptr + p, tl.where(routed, slot, -1), mask=valid)
@@ -134,35 +140,30 @@ def _route_scatter_kernel(
     tl.store(expert_of_block_ptr + s // block_size, tl.where(owned, lo, -1), mask=s_in & (s % block_size == 0))
 
 
-def route(topk_ids, num_experts, block_size, expert_map, num_local, capacity, outputs, *, BLOCK, SLOT_BLOCK, SCAN_E, SCAN_WARPS, num_warps):
-    """Fills ``outputs`` = (counts, offsets, padded_offsets, sorted_pair, expert_of_block, inverse) for
-    ``[T, K]`` ids, T*K >= 1."""
-    counts, offsets, padded, sorted_pair, expert_of_block, inverse = outputs
+def route(topk_ids, num_experts, block_size, expert_map, num_local, capacity, out, out_offsets, *, BLOCK, SLOT_BLOCK, SCAN_E, num_warps):
+    """Fills ``out``, int32 holding (counts, offsets, padded_offsets, sorted_pair, expert_of_block, inverse)
+    from the element offsets ``out_offsets`` of the last five, for ``[T, K]`` ids, T*K >= 1. Two launches."""
     t, k = topk_ids.shape
     n = t * k
-    num_blocks = triton.cdiv(n, BLOCK)
-    # per sorted position: its expert, and (rank in its expert's run) * BLOCK + pair offset; per (block,
-    # expert): the histogram, then the first slot. The pieces stay 16-byte aligned (BLOCK % 4 == 0).
-    scratch = torch.empty(2 * num_blocks * BLOCK + num_blocks * num_local, dtype=torch.int32, device=topk_ids.device)
-    expert, rank, hist = scratch.split([num_blocks * BLOCK, num_blocks * BLOCK, num_blocks * num_local])
-    e_chunk = min(triton.next_power_of_2(num_local), 1024)
+    num_blocks = cdiv(n, BLOCK)
+    # Scratch, each piece 16-byte aligned (BLOCK % 16 == 0): per sorted position its expert, and (rank in its
+    # expert's run) * BLOCK + pair offset; per (block, expert) the histogram, then the first slots.
+    hist_size = cdiv(num_blocks * num_local, 16) * 16
+    rank_off = num_blocks * BLOCK
+    scratch = torch.empty(2 * rank_off + 2 * hist_size, dtype=torch.int32, device=topk_ids.device)
+    e_chunk = min(next_power_of_2(num_local), 1024)
     launch(
         _route_sort_kernel, (num_blocks,), topk_ids, topk_ids.stride(0), topk_ids.stride(1), k, n, num_experts,
-        expert_map if expert_map is not None else topk_ids, num_local, expert, rank, hist,
+        expert_map if expert_map is not None else topk_ids, num_local, scratch, rank_off, 2 * rank_off,
         BLOCK=BLOCK, E_CHUNK=e_chunk, HAS_MAP=expert_map is not None,
         KEY64=(num_local + 1) * BLOCK >= 2**31, num_warps=num_warps,
     )
     scan_e = min(e_chunk, SCAN_E)
-    b_chunk = max(1, min(triton.next_power_of_2(num_blocks), 4096 // scan_e))
     launch(
-        _route_scan_kernel, (1,), hist, counts, offsets, padded, num_blocks, num_local, block_size,
-        B_CHUNK=b_chunk, E_CHUNK=scan_e, num_warps=SCAN_WARPS,
-    )
-    grid = max(num_blocks, triton.cdiv(capacity, SLOT_BLOCK))
-    launch(
-        _route_scatter_kernel, (grid,), expert, rank, hist, counts, padded, sorted_pair, inverse, expert_of_block,
-        n, num_local, capacity, num_blocks, block_size,
-        BLOCK=BLOCK, SLOT_BLOCK=SLOT_BLOCK, STEPS=max(1, num_local.bit_length()), num_warps=num_warps,
+        _route_scatter_kernel, (max(num_blocks, cdiv(capacity, SLOT_BLOCK)),), scratch, rank_off, 2 * rank_off,
+        2 * rank_off + hist_size, out, *out_offsets, n, num_local, capacity, num_blocks, block_size,
+        BLOCK=BLOCK, SLOT_BLOCK=SLOT_BLOCK, STEPS=max(1, num_local.bit_length()),
+        B_CHUNK=max(1, min(next_power_of_2(num_blocks), 4096 // scan_e)), E_CHUNK=scan_e, num_warps=num_warps,
     )
 
 
@@ -223,7 +224,7 @@ def _scatter_rows(src, inverse, sorted_pair, out, *, weights=None, other=None, d
     cap, h = out.shape
     if cap == 0 or h == 0:
         return
-    grid = triton.cdiv(t, ROWS) + triton.cdiv(cap, PAD_ROWS)
+    grid = cdiv(t, ROWS) + cdiv(cap, PAD_ROWS)
     launch(
         _scatter_rows_kernel, (grid,), src, src.stride(0), inverse, k, sorted_pair, out, out.stride(0), t, cap, h,
         weights if weights is not None else inverse, other if other is not None else src,
@@ -271,7 +272,7 @@ def expert_rows(table, sorted_pair, expert_of_block, block_size, *, ROWS, BLOCK_
     out = torch.empty((rows, h), dtype=table.dtype, device=table.device)
     if rows and h:
         launch(
-            _expert_rows_kernel, (triton.cdiv(rows, ROWS),), table, table.stride(0), sorted_pair, expert_of_block,
+            _expert_rows_kernel, (cdiv(rows, ROWS),), table, table.stride(0), sorted_pair, expert_of_block,
             block_size, out, out.stride(0), rows, h, ROWS=ROWS, BLOCK_H=BLOCK_H, num_warps=num_warps,
         )
     return out
@@ -305,9 +306,13 @@ def gather_sum(ys, inverse, weights, *, ROWS, BLOCK_H, num_warps):
     out = torch.empty((t, h), dtype=ys.dtype, device=ys.device)
     if t == 0 or h == 0:
         return out
+    # Column blocks run as separate programs: halve the block while the last one would leave more than an
+    # eighth of the row's width idle (e.g. H=2880: 1024, not 2048, whose second block is 40% full).
+    while BLOCK_H > 256 and cdiv(h, BLOCK_H) * BLOCK_H - h > h // 8:
+        BLOCK_H //= 2
     # No fused multiply-add: the products round exactly as the reference's separate multiply and add.
     launch(
-        _gather_sum_kernel, (triton.cdiv(t, ROWS), triton.cdiv(h, BLOCK_H)),
+        _gather_sum_kernel, (cdiv(t, ROWS), cdiv(h, BLOCK_H)),
         ys, ys.stride(0), inverse, k, weights if weights is not None else inverse, out, out.stride(0), t, h,
         HAS_W=weights is not None, ROWS=ROWS, BLOCK_H=BLOCK_H, num_warps=num_warps, enable_fp_fusion=False,
     )
@@ -335,7 +340,7 @@ def expert_rows_backward(dout, counts, padded_offsets, num_local, *, ROWS, BLOCK
     out = torch.empty((num_local, f), dtype=dout.dtype, device=dout.device)
     if f:
         launch(
-            _segment_sum_kernel, (num_local, triton.cdiv(f, BLOCK_H)), dout, dout.stride(0), counts, padded_offsets,
+            _segment_sum_kernel, (num_local, cdiv(f, BLOCK_H)), dout, dout.stride(0), counts, padded_offsets,
             out, f, ROWS=ROWS, BLOCK_F=BLOCK_H, num_warps=num_warps,
         )
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 import fastft
@@ -120,11 +122,9 @@ def tune_specs(device: torch.device):
     def route(n):
         ids = router_ids(n // 8, 128, 8, device)
         cap = reference.capacity(n, 128, 1)
-        outputs = fastft.routing._unpack(
-            torch.empty(sum(fastft.routing._layout(n // 8, 8, 128, cap, 1)), dtype=torch.int32, device=device),
-            n // 8, 8, fastft.routing._layout(n // 8, 8, 128, cap, 1),
-        )
-        return lambda cfg: kernels.route(ids, 128, 1, None, 128, cap, outputs, **cfg)
+        starts = list(itertools.accumulate(fastft.routing._layout(n // 8, 8, 128, cap, 1)))
+        out = torch.empty(starts[-1], dtype=torch.int32, device=device)
+        return lambda cfg: kernels.route(ids, 128, 1, None, 128, cap, out, starts[:-1], **cfg)
 
     def rows_of(size, hidden=2048):
         t = size // (8 * hidden)
@@ -141,13 +141,22 @@ def tune_specs(device: torch.device):
         w = torch.rand(r.num_tokens, 8, device=device)
         return lambda cfg: kernels.gather_sum(ys, r.inverse, w, **cfg)
 
+    def unpermute_backward(size):
+        r, dy, hidden = rows_of(size)
+        ys = torch.randn(r.capacity, hidden, device=device, dtype=torch.bfloat16)
+        w = torch.rand(r.num_tokens, 8, device=device)
+        return lambda cfg: kernels.unpermute_backward(dy, ys, r.sorted_pair, r.inverse, w, **cfg)
+
     sizes = (4096 * 8 * 2048, 16384 * 8 * 2048)
     return {
         routing.OP_ROUTE: (
             (32768, 131072, 524288),
-            _grid(BLOCK=[512, 1024, 2048], SLOT_BLOCK=[1024, 4096], SCAN_E=[32, 64, 128], SCAN_WARPS=[4, 8], num_warps=[4, 8]),
+            _grid(BLOCK=[512, 1024, 2048], SLOT_BLOCK=[1024, 4096], SCAN_E=[64, 128], num_warps=[4, 8]),
             route,
         ),
-        routing.OP_PERMUTE: (sizes, _grid(ROWS=[1, 2, 4], BLOCK_H=[512, 1024, 2048], PAD_ROWS=[256], num_warps=[4, 8]), permute),
+        routing.OP_PERMUTE: (sizes, _grid(ROWS=[1, 2, 4], BLOCK_H=[1024, 2048, 4096], PAD_ROWS=[256], num_warps=[4, 8]), permute),
         routing.OP_UNPERMUTE: (sizes, _grid(ROWS=[1, 2, 4], BLOCK_H=[256, 512, 1024, 2048], num_warps=[4, 8]), unpermute),
+        routing._UNPERMUTE_BACKWARD: (
+            sizes, _grid(ROWS=[1, 2], BLOCK_H=[1024, 2048, 4096], PAD_ROWS=[256], num_warps=[4, 8]), unpermute_backward,
+        ),
     }
