@@ -31,7 +31,8 @@ OP_ROUTE = dispatch.register("routing.route")
 OP_PERMUTE = dispatch.register("routing.permute")
 OP_UNPERMUTE = dispatch.register("routing.unpermute")
 OP_EXPERT_ROWS = dispatch.register("routing.expert_rows")
-# Launch parameters only; dispatched with the forward op.
+# Launch parameters only; dispatched with the forward op. The row ops (permute, unpermute and its backward)
+# look their parameters up by row width H, the rest by element count.
 _UNPERMUTE_BACKWARD = "routing.unpermute_backward"
 _EXPERT_ROWS_BACKWARD = "routing.expert_rows_backward"
 
@@ -107,7 +108,7 @@ def _permute_op(x: torch.Tensor, sorted_pair: torch.Tensor, inverse: torch.Tenso
     top_k = inverse.shape[1]
     if backend == "torch":
         return reference.permute(x, sorted_pair, top_k)
-    cfg = autotune.params(OP_PERMUTE, x.device, sorted_pair.numel() * x.shape[1])
+    cfg = autotune.params(OP_PERMUTE, x.device, x.shape[1])
     return _kernels().permute(x, sorted_pair, inverse, **cfg)
 
 
@@ -122,7 +123,7 @@ def _unpermute_op(
 ) -> torch.Tensor:
     if backend == "torch":
         return reference.gather_sum(ys, inverse, weights)
-    cfg = autotune.params(OP_UNPERMUTE, ys.device, inverse.numel() * ys.shape[1])
+    cfg = autotune.params(OP_UNPERMUTE, ys.device, ys.shape[1])
     return _kernels().gather_sum(ys, inverse, weights, **cfg)
 
 
@@ -138,7 +139,7 @@ def _unpermute_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "torch":
         return reference.unpermute_backward(dy, ys, sorted_pair, weights.shape[1], weights)
-    cfg = autotune.params(_UNPERMUTE_BACKWARD, ys.device, ys.numel())
+    cfg = autotune.params(_UNPERMUTE_BACKWARD, ys.device, ys.shape[1])
     return _kernels().unpermute_backward(dy, ys, sorted_pair, inverse, weights, **cfg)
 
 

@@ -306,10 +306,6 @@ def gather_sum(ys, inverse, weights, *, ROWS, BLOCK_H, num_warps):
     out = torch.empty((t, h), dtype=ys.dtype, device=ys.device)
     if t == 0 or h == 0:
         return out
-    # Column blocks run as separate programs: halve the block while the last one would leave more than an
-    # eighth of the row's width idle (e.g. H=2880: 1024, not 2048, whose second block is 40% full).
-    while BLOCK_H > 256 and cdiv(h, BLOCK_H) * BLOCK_H - h > h // 8:
-        BLOCK_H //= 2
     # No fused multiply-add: the products round exactly as the reference's separate multiply and add.
     launch(
         _gather_sum_kernel, (cdiv(t, ROWS), cdiv(h, BLOCK_H)),

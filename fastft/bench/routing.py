@@ -126,37 +126,37 @@ def tune_specs(device: torch.device):
         out = torch.empty(starts[-1], dtype=torch.int32, device=device)
         return lambda cfg: kernels.route(ids, 128, 1, None, 128, cap, out, starts[:-1], **cfg)
 
-    def rows_of(size, hidden=2048):
-        t = size // (8 * hidden)
+    def rows_of(hidden, t=4096):
+        # The row ops are tuned per row width H (their size key), at T=4096 tokens, top-8 of 128 experts.
         r = fastft.moe_route(router_ids(t, 128, 8, device), 128)
-        return r, torch.randn(t, hidden, device=device, dtype=torch.bfloat16), hidden
+        return r, torch.randn(t, hidden, device=device, dtype=torch.bfloat16)
 
-    def permute(size):
-        r, x, _ = rows_of(size)
+    def permute(hidden):
+        r, x = rows_of(hidden)
         return lambda cfg: kernels.permute(x, r.sorted_pair, r.inverse, **cfg)
 
-    def unpermute(size):
-        r, _, hidden = rows_of(size)
+    def unpermute(hidden):
+        r, _ = rows_of(hidden)
         ys = torch.randn(r.capacity, hidden, device=device, dtype=torch.bfloat16)
         w = torch.rand(r.num_tokens, 8, device=device)
         return lambda cfg: kernels.gather_sum(ys, r.inverse, w, **cfg)
 
-    def unpermute_backward(size):
-        r, dy, hidden = rows_of(size)
+    def unpermute_backward(hidden):
+        r, dy = rows_of(hidden)
         ys = torch.randn(r.capacity, hidden, device=device, dtype=torch.bfloat16)
         w = torch.rand(r.num_tokens, 8, device=device)
         return lambda cfg: kernels.unpermute_backward(dy, ys, r.sorted_pair, r.inverse, w, **cfg)
 
-    sizes = (4096 * 8 * 2048, 16384 * 8 * 2048)
+    widths = (2048, 2880, 7168)  # Qwen3-30B-A3B, gpt-oss, DeepSeek-V3
     return {
         routing.OP_ROUTE: (
             (32768, 131072, 524288),
             _grid(BLOCK=[512, 1024, 2048], SLOT_BLOCK=[1024, 4096], SCAN_E=[64, 128], num_warps=[4, 8]),
             route,
         ),
-        routing.OP_PERMUTE: (sizes, _grid(ROWS=[1, 2, 4], BLOCK_H=[1024, 2048, 4096], PAD_ROWS=[256], num_warps=[4, 8]), permute),
-        routing.OP_UNPERMUTE: (sizes, _grid(ROWS=[1, 2, 4], BLOCK_H=[256, 512, 1024, 2048], num_warps=[4, 8]), unpermute),
+        routing.OP_PERMUTE: (widths, _grid(ROWS=[1, 2, 4], BLOCK_H=[1024, 2048, 4096], PAD_ROWS=[256], num_warps=[4, 8]), permute),
+        routing.OP_UNPERMUTE: (widths, _grid(ROWS=[1, 2, 4], BLOCK_H=[256, 512, 1024, 2048], num_warps=[4, 8]), unpermute),
         routing._UNPERMUTE_BACKWARD: (
-            sizes, _grid(ROWS=[1, 2], BLOCK_H=[1024, 2048, 4096], PAD_ROWS=[256], num_warps=[4, 8]), unpermute_backward,
+            widths, _grid(ROWS=[1, 2], BLOCK_H=[1024, 2048, 4096], PAD_ROWS=[256], num_warps=[4, 8]), unpermute_backward,
         ),
     }
