@@ -92,6 +92,10 @@ def _route_op(
     starts = list(itertools.accumulate(_layout(t, k, num_local_experts, cap, block_size)))  # piece i ends at starts[i]
     packed = torch.empty(starts[-1], dtype=torch.int32, device=topk_ids.device)
     cfg = autotune.params(OP_ROUTE, topk_ids.device, n)
+    # Every scatter program reads the whole (blocks x experts) histogram; past 2**17 entries fewer, larger
+    # blocks win (H100, E=1024, T*K=524288: 177 µs with 2048 pairs per block, 264 µs with 1024).
+    if cfg["BLOCK"] < 2048 and -(-n // cfg["BLOCK"]) * num_local_experts > 2**17:
+        cfg["BLOCK"] = 2048
     _kernels().route(topk_ids, num_experts, block_size, expert_map, num_local_experts, cap, packed, starts[:-1], **cfg)
     return packed
 

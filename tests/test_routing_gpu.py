@@ -81,6 +81,16 @@ def test_route_is_two_launches():
     assert len(kernels) == 2, [e.name for e in kernels]
 
 
+@pytest.mark.parametrize("experts", [512, 1024])
+def test_large_histogram_takes_larger_blocks_and_matches(experts):
+    # 65536 tokens x top-8 over 512/1024 experts: more than 2**17 (block, expert) histogram entries at
+    # the tuned block size, so moe_route switches to 2048-pair blocks.
+    ids = router_ids(65536, experts, 8, "cuda", seed=5)
+    got = fastft.moe_route(ids, experts, block_size=128)
+    expected = fastft.moe_route(ids, experts, block_size=128, backend="torch")
+    testing.assert_same(testing.routing_fields(got), testing.routing_fields(expected))
+
+
 def test_cuda_graph_capture_and_replay():
     ids = router_ids(4096, 32, 4, "cuda", seed=1)
     x = torch.randn(4096, 128, device="cuda", dtype=torch.bfloat16)
