@@ -1,10 +1,10 @@
 """``launch(fn, grid, *args, **meta)``: ``fn[grid](*args, **meta)`` with less host time on repeat calls.
 
 Triton's launch path binds and specializes every argument in Python on every call (~1.2 µs per
-argument with Triton 3.6 on the lent H100 host), which is most of the host cost of fastft's small kernels. ``launch`` keeps the
-compiled kernel that ``fn[grid]`` returned, under a key that covers everything Triton specializes on
-(each tensor's dtype and 16-byte alignment; each int's value class: 1, a multiple of 16, 32/64-bit;
-the constexpr and launch options), and later launches it directly.
+argument with Triton 3.6 on the lent H100 host), which is most of the host cost of fastft's small
+kernels. ``launch`` keeps the compiled kernel that ``fn[grid]`` returned, under a key that covers
+everything Triton specializes on (each tensor's dtype and 16-byte alignment; each int's value class: 1,
+a multiple of 16, 32/64-bit; the constexpr and launch options), and later launches it directly.
 The interpreter (CPU) always takes Triton's own path.
 """
 
