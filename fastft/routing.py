@@ -71,6 +71,12 @@ def _layout(t: int, k: int, e: int, cap: int, block_size: int) -> list[int]:
     return [e, e + 1, e + 1, cap, cap // block_size, t * k]
 
 
+def _route_buffer(t: int, k: int, e: int, cap: int, block_size: int, device) -> tuple[torch.Tensor, list[int]]:
+    """An empty packed routing buffer and the element offsets of its pieces after counts (which is at 0)."""
+    starts = list(itertools.accumulate(_layout(t, k, e, cap, block_size)))  # piece i ends at starts[i]
+    return torch.empty(starts[-1], dtype=torch.int32, device=device), starts[:-1]
+
+
 def _pack(pieces) -> torch.Tensor:
     return torch.cat([p.reshape(-1) for p in pieces])
 
@@ -89,14 +95,13 @@ def _route_op(
         )
         return _pack([counts, offsets, padded, sorted_pair, expert_of_block, inverse])
     cap = reference.capacity(n, num_local_experts, block_size)
-    starts = list(itertools.accumulate(_layout(t, k, num_local_experts, cap, block_size)))  # piece i ends at starts[i]
-    packed = torch.empty(starts[-1], dtype=torch.int32, device=topk_ids.device)
+    packed, offsets = _route_buffer(t, k, num_local_experts, cap, block_size, topk_ids.device)
     cfg = autotune.params(OP_ROUTE, topk_ids.device, n)
     # Every scatter program reads the whole (blocks x experts) histogram; past 2**17 entries fewer, larger
     # blocks win (H100, E=1024, T*K=524288: 177 µs with 2048 pairs per block, 264 µs with 1024).
     if cfg["BLOCK"] < 2048 and -(-n // cfg["BLOCK"]) * num_local_experts > 2**17:
         cfg["BLOCK"] = 2048
-    _kernels().route(topk_ids, num_experts, block_size, expert_map, num_local_experts, cap, packed, starts[:-1], **cfg)
+    _kernels().route(topk_ids, num_experts, block_size, expert_map, num_local_experts, cap, packed, offsets, **cfg)
     return packed
 
 

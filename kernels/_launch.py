@@ -17,7 +17,7 @@ _direct = [True]  # cleared if this Triton's compiled kernels cannot be launched
 
 
 def cdiv(a: int, b: int) -> int:
-    """Host-side ``ceil(a / b)``: ``triton.cdiv`` is a constexpr function on newer Tritons, ~5 µs a call."""
+    """Host-side ``ceil(a / b)``: ``triton.cdiv`` is a constexpr function on Triton 3.9, ~2 µs a call."""
     return -(-a // b)
 
 

@@ -1,5 +1,5 @@
 """Device time (CUDA graph replays) of moe_route's two kernels for BLOCK x SCAN_E at three shapes. GPU only."""
-import itertools, torch
+import torch
 import fastft
 from fastft import routing
 from fastft.reference import routing as reference
@@ -11,13 +11,12 @@ for (e, k) in [(128, 8), (256, 8), (32, 4)]:
         ids = router_ids(t, e, k, "cuda")
         n = t * k
         cap = reference.capacity(n, e, 1)
-        starts = list(itertools.accumulate(routing._layout(t, k, e, cap, 1)))
-        out = torch.empty(starts[-1], dtype=torch.int32, device="cuda")
+        out, offsets = routing._route_buffer(t, k, e, cap, 1, "cuda")
         res = []
         for block in (1024, 2048, 4096):
             for scan_e in (64, 128):
                 cfg = dict(BLOCK=block, SLOT_BLOCK=1024, SCAN_E=scan_e, num_warps=8)
-                f = lambda: K.route(ids, e, 1, None, e, cap, out, starts[:-1], **cfg)
+                f = lambda: K.route(ids, e, 1, None, e, cap, out, offsets, **cfg)
                 f(); torch.cuda.synchronize()
                 res.append(f"B{block}/S{scan_e}: {graph_ms(f)*1000:.1f}")
         print(f"E={e} K={k} T={t}: " + "  ".join(res), flush=True)

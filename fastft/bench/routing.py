@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 import fastft
@@ -122,9 +120,8 @@ def tune_specs(device: torch.device):
     def route(n):
         ids = router_ids(n // 8, 128, 8, device)
         cap = reference.capacity(n, 128, 1)
-        starts = list(itertools.accumulate(fastft.routing._layout(n // 8, 8, 128, cap, 1)))
-        out = torch.empty(starts[-1], dtype=torch.int32, device=device)
-        return lambda cfg: kernels.route(ids, 128, 1, None, 128, cap, out, starts[:-1], **cfg)
+        out, offsets = fastft.routing._route_buffer(n // 8, 8, 128, cap, 1, device)
+        return lambda cfg: kernels.route(ids, 128, 1, None, 128, cap, out, offsets, **cfg)
 
     def rows_of(hidden, t=4096):
         # The row ops are tuned per row width H (their size key), at T=4096 tokens, top-8 of 128 experts.
