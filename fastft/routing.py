@@ -31,8 +31,10 @@ OP_ROUTE = dispatch.register("routing.route")
 OP_PERMUTE = dispatch.register("routing.permute")
 OP_UNPERMUTE = dispatch.register("routing.unpermute")
 OP_EXPERT_ROWS = dispatch.register("routing.expert_rows")
-# Launch parameters only; dispatched with the forward op. The row ops (permute, unpermute and its backward)
-# look their parameters up by row width H, the rest by element count.
+# Launch parameters only; dispatched with the forward op. The row ops (permute, unpermute and the backwards)
+# look their parameters up by row width H, the rest by element count. Permute's backward is the unweighted
+# gather-sum (the kernel of moe_unpermute without weights), tuned apart from the weighted one.
+_PERMUTE_BACKWARD = "routing.permute_backward"
 _UNPERMUTE_BACKWARD = "routing.unpermute_backward"
 _EXPERT_ROWS_BACKWARD = "routing.expert_rows_backward"
 
@@ -40,6 +42,7 @@ autotune.DEFAULTS.update({
     OP_ROUTE: {"BLOCK": 1024, "SLOT_BLOCK": 1024, "SCAN_E": 64, "num_warps": 8},
     OP_PERMUTE: {"ROWS": 2, "BLOCK_H": 1024, "PAD_ROWS": 256, "num_warps": 4},
     OP_UNPERMUTE: {"ROWS": 1, "BLOCK_H": 1024, "num_warps": 4},
+    _PERMUTE_BACKWARD: {"ROWS": 1, "BLOCK_H": 1024, "num_warps": 4},
     _UNPERMUTE_BACKWARD: {"ROWS": 1, "BLOCK_H": 2048, "PAD_ROWS": 256, "num_warps": 4},
     OP_EXPERT_ROWS: {"ROWS": 2, "BLOCK_H": 1024, "num_warps": 4},
     _EXPERT_ROWS_BACKWARD: {"ROWS": 16, "BLOCK_H": 256, "num_warps": 4},
@@ -48,7 +51,7 @@ _ROWS_CPU = {"ROWS": 64, "BLOCK_H": 32}
 autotune.INTERPRETER.update({
     OP_ROUTE: {"BLOCK": 64, "SLOT_BLOCK": 64},
     OP_PERMUTE: {**_ROWS_CPU, "PAD_ROWS": 128}, _UNPERMUTE_BACKWARD: {**_ROWS_CPU, "PAD_ROWS": 128},
-    OP_UNPERMUTE: _ROWS_CPU, OP_EXPERT_ROWS: _ROWS_CPU, _EXPERT_ROWS_BACKWARD: _ROWS_CPU,
+    OP_UNPERMUTE: _ROWS_CPU, _PERMUTE_BACKWARD: _ROWS_CPU, OP_EXPERT_ROWS: _ROWS_CPU, _EXPERT_ROWS_BACKWARD: _ROWS_CPU,
 })
 
 _INT32_MAX = 2**31 - 1
@@ -65,16 +68,20 @@ def _kernels():
 # ---- custom ops ---------------------------------------------------------------------------------------
 
 
-def _layout(t: int, k: int, e: int, cap: int, block_size: int) -> list[int]:
-    """Sizes of the pieces of a packed routing buffer, in order: counts, offsets, padded_offsets,
-    sorted_pair, expert_of_block, inverse."""
-    return [e, e + 1, e + 1, cap, cap // block_size, t * k]
+def _layout(t: int, k: int, e: int, block_size: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """(capacity, sizes, starts) of a packed routing buffer: the sizes of its pieces in order (counts, offsets,
+    padded_offsets, sorted_pair, expert_of_block, inverse) and the element offset of each piece after counts.
+    Not memoized: under torch.compile with dynamic shapes its arguments are SymInts, which do not hash."""
+    cap = reference.capacity(t * k, e, block_size)
+    sizes = (e, e + 1, e + 1, cap, cap // block_size, t * k)
+    ends = tuple(itertools.accumulate(sizes))  # piece i ends at ends[i]
+    return cap, sizes, ends[:-1]
 
 
-def _route_buffer(t: int, k: int, e: int, cap: int, block_size: int, device) -> tuple[torch.Tensor, list[int]]:
+def _route_buffer(t: int, k: int, e: int, block_size: int, device) -> tuple[torch.Tensor, tuple[int, ...]]:
     """An empty packed routing buffer and the element offsets of its pieces after counts (which is at 0)."""
-    starts = list(itertools.accumulate(_layout(t, k, e, cap, block_size)))  # piece i ends at starts[i]
-    return torch.empty(starts[-1], dtype=torch.int32, device=device), starts[:-1]
+    _, sizes, starts = _layout(t, k, e, block_size)
+    return torch.empty(starts[-1] + sizes[-1], dtype=torch.int32, device=device), starts
 
 
 def _pack(pieces) -> torch.Tensor:
@@ -95,7 +102,7 @@ def _route_op(
         )
         return _pack([counts, offsets, padded, sorted_pair, expert_of_block, inverse])
     cap = reference.capacity(n, num_local_experts, block_size)
-    packed, offsets = _route_buffer(t, k, num_local_experts, cap, block_size, topk_ids.device)
+    packed, offsets = _route_buffer(t, k, num_local_experts, block_size, topk_ids.device)
     cfg = autotune.params(OP_ROUTE, topk_ids.device, n)
     # Every scatter program reads the whole (blocks x experts) histogram; past 2**17 entries fewer, larger
     # blocks win (H100, E=1024, T*K=524288: 177 µs with 2048 pairs per block, 264 µs with 1024).
@@ -108,8 +115,7 @@ def _route_op(
 @_route_op.register_fake
 def _(topk_ids, num_experts, block_size, expert_map, num_local_experts, backend):
     t, k = topk_ids.shape
-    cap = reference.capacity(t * k, num_local_experts, block_size)
-    return topk_ids.new_empty(sum(_layout(t, k, num_local_experts, cap, block_size)), dtype=torch.int32)
+    return topk_ids.new_empty(sum(_layout(t, k, num_local_experts, block_size)[1]), dtype=torch.int32)
 
 
 @custom_op("fastft::moe_permute")
@@ -132,7 +138,7 @@ def _unpermute_op(
 ) -> torch.Tensor:
     if backend == "torch":
         return reference.gather_sum(ys, inverse, weights)
-    cfg = autotune.params(OP_UNPERMUTE, ys.device, ys.shape[1])
+    cfg = autotune.params(OP_UNPERMUTE if weights is not None else _PERMUTE_BACKWARD, ys.device, ys.shape[1])
     return _kernels().gather_sum(ys, inverse, weights, **cfg)
 
 
@@ -324,14 +330,12 @@ def moe_route(
         expert_map = expert_map.contiguous()
     t, k = topk_ids.shape
     n = t * k
-    cap = reference.capacity(n, num_local, block_size)
+    cap, sizes, _ = _layout(t, k, num_local, block_size)
     if n > _INT32_MAX or cap > _INT32_MAX:
         raise ValueError(f"T*K={n} pairs need {cap} slots; int32 slot indices allow at most {_INT32_MAX}")
     chosen = dispatch.backend_for(OP_ROUTE, topk_ids.device, backend)
     packed = _route_op(topk_ids.detach(), num_experts, block_size, expert_map, num_local, chosen)
-    counts, offsets, padded, sorted_pair, expert_of_block, inverse = packed.split_with_sizes(
-        _layout(t, k, num_local, cap, block_size)
-    )
+    counts, offsets, padded, sorted_pair, expert_of_block, inverse = packed.split_with_sizes(sizes)
     return MoERouting(
         counts, offsets, padded, sorted_pair, inverse.view(t, k), expert_of_block, t, k, num_experts, num_local,
         block_size, cap, backend,

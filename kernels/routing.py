@@ -7,7 +7,9 @@ Routing is two launches over blocks of ``BLOCK`` pairs:
      block's first slot per expert), then slot = first slot + rank -> sorted_pair and inverse; every
      program also fills its share of the padding slots (-1) and expert_of_block.
 Launch wrappers take explicit launch parameters; choosing them is fastft.routing's job. Row addressing
-is int64, so tensors past 2**31 elements address correctly.
+is int64, so tensors past 2**31 elements address correctly. The row kernels let Triton specialize on row
+widths and strides (a multiple of 16 lets it vectorize the row loads and stores: +8% for the gather-sum
+at T=4096 on the H100); only token and pair counts, which change every batch, are not specialized.
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ def route(topk_ids, num_experts, block_size, expert_map, num_local, capacity, ou
 # ---- moving rows -----------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["t", "h", "top_k", "capacity", "stride_src", "stride_dst", "stride_other"])
+@triton.jit(do_not_specialize=["t", "top_k", "capacity"])
 def _scatter_rows_kernel(
     src_ptr, stride_src, inverse_ptr, top_k, sorted_pair_ptr, dst_ptr, stride_dst, t, capacity, h,
     w_ptr, other_ptr, stride_other, dw_ptr,
@@ -200,7 +202,10 @@ def _scatter_rows_kernel(
                     out = v
                 tl.store(dst_ptr + slot[:, None] * stride_dst + col[None, :], out.to(dst_ptr.dtype.element_ty), mask=m)
                 if DOT:
-                    o = tl.load(other_ptr + slot[:, None] * stride_other + col[None, :], mask=m, other=0)
+                    o = tl.load(
+                        other_ptr + slot[:, None] * stride_other + col[None, :], mask=m, other=0,
+                        eviction_policy="evict_first",
+                    )
                     dot += tl.sum(v.to(tl.float32) * o.to(tl.float32), axis=1)
             if DOT:
                 tl.store(dw_ptr + tok * top_k + k, dot.to(dw_ptr.dtype.element_ty), mask=t_in)
@@ -250,7 +255,7 @@ def unpermute_backward(dy, ys, sorted_pair, inverse, weights, **launch_params):
     return dys, dw
 
 
-@triton.jit(do_not_specialize=["rows", "h", "block_size", "stride_src", "stride_dst"])
+@triton.jit(do_not_specialize=["rows", "block_size"])
 def _expert_rows_kernel(
     src_ptr, stride_src, sorted_pair_ptr, expert_of_block_ptr, block_size, dst_ptr, stride_dst, rows, h,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -278,7 +283,7 @@ def expert_rows(table, sorted_pair, expert_of_block, block_size, *, ROWS, BLOCK_
     return out
 
 
-@triton.jit(do_not_specialize=["t", "h", "top_k", "stride_src", "stride_dst"])
+@triton.jit(do_not_specialize=["t", "top_k"])
 def _gather_sum_kernel(
     src_ptr, stride_src, inverse_ptr, top_k, w_ptr, dst_ptr, stride_dst, t, h,
     HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -292,7 +297,10 @@ def _gather_sum_kernel(
     for k in range(0, top_k):
         slot = tl.load(inverse_ptr + tok * top_k + k, mask=t_in, other=-1).to(tl.int64)
         used = slot >= 0
-        v = tl.load(src_ptr + slot[:, None] * stride_src + col[None, :], mask=used[:, None] & c_in[None, :], other=0).to(tl.float32)
+        v = tl.load(
+            src_ptr + slot[:, None] * stride_src + col[None, :], mask=used[:, None] & c_in[None, :], other=0,
+            eviction_policy="evict_first",  # each slot is read once
+        ).to(tl.float32)
         if HAS_W:
             v = tl.load(w_ptr + tok * top_k + k, mask=used, other=0).to(tl.float32)[:, None] * v
         acc = acc + v
@@ -315,7 +323,7 @@ def gather_sum(ys, inverse, weights, *, ROWS, BLOCK_H, num_warps):
     return out
 
 
-@triton.jit(do_not_specialize=["f", "stride_src"])
+@triton.jit
 def _segment_sum_kernel(src_ptr, stride_src, counts_ptr, padded_ptr, dst_ptr, f, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
     # dst[e] = sum of src rows padded_offsets[e] .. padded_offsets[e] + counts[e] - 1, fp32.
     e = tl.program_id(0)

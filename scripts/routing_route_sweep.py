@@ -11,7 +11,7 @@ for (e, k) in [(128, 8), (256, 8), (32, 4)]:
         ids = router_ids(t, e, k, "cuda")
         n = t * k
         cap = reference.capacity(n, e, 1)
-        out, offsets = routing._route_buffer(t, k, e, cap, 1, "cuda")
+        out, offsets = routing._route_buffer(t, k, e, 1, "cuda")
         res = []
         for block in (1024, 2048, 4096):
             for scan_e in (64, 128):

@@ -58,7 +58,12 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         if copy_gbs is None:
             return ""
         gbs = nbytes / (ms * 1e6)
-        return f"{gbs:.0f} GB/s = {100 * gbs / copy_gbs:.0f}% of copy ({copy_gbs:.0f} GB/s)"
+        note = f"{gbs:.0f} GB/s = {100 * gbs / copy_gbs:.0f}% of copy ({copy_gbs:.0f} GB/s)"
+        if nbytes <= 2**31:  # a clone moving the same bytes pays the same fixed costs per call (launch, L2)
+            same = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+            same_gbs = nbytes / (time_ms(lambda: same.clone(), device) * 1e6)
+            note += f", {100 * gbs / same_gbs:.0f}% of a same-size copy ({same_gbs:.0f} GB/s)"
+        return note
 
     for name, (experts, top_k, hidden) in shapes.items():
         for t in tokens:
@@ -120,7 +125,7 @@ def tune_specs(device: torch.device):
     def route(n):
         ids = router_ids(n // 8, 128, 8, device)
         cap = reference.capacity(n, 128, 1)
-        out, offsets = fastft.routing._route_buffer(n // 8, 8, 128, cap, 1, device)
+        out, offsets = fastft.routing._route_buffer(n // 8, 8, 128, 1, device)
         return lambda cfg: kernels.route(ids, 128, 1, None, 128, cap, out, offsets, **cfg)
 
     def rows_of(hidden, t=4096):
@@ -132,11 +137,13 @@ def tune_specs(device: torch.device):
         r, x = rows_of(hidden)
         return lambda cfg: kernels.permute(x, r.sorted_pair, r.inverse, **cfg)
 
-    def unpermute(hidden):
-        r, _ = rows_of(hidden)
-        ys = torch.randn(r.capacity, hidden, device=device, dtype=torch.bfloat16)
-        w = torch.rand(r.num_tokens, 8, device=device)
-        return lambda cfg: kernels.gather_sum(ys, r.inverse, w, **cfg)
+    def gather_sum(weighted):
+        def make(hidden):
+            r, _ = rows_of(hidden)
+            ys = torch.randn(r.capacity, hidden, device=device, dtype=torch.bfloat16)
+            w = torch.rand(r.num_tokens, 8, device=device) if weighted else None
+            return lambda cfg: kernels.gather_sum(ys, r.inverse, w, **cfg)
+        return make
 
     def unpermute_backward(hidden):
         r, dy = rows_of(hidden)
@@ -152,7 +159,10 @@ def tune_specs(device: torch.device):
             route,
         ),
         routing.OP_PERMUTE: (widths, _grid(ROWS=[1, 2, 4], BLOCK_H=[1024, 2048, 4096], PAD_ROWS=[256], num_warps=[4, 8]), permute),
-        routing.OP_UNPERMUTE: (widths, _grid(ROWS=[1, 2, 4], BLOCK_H=[256, 512, 1024, 2048], num_warps=[4, 8]), unpermute),
+        routing.OP_UNPERMUTE: (widths, _grid(ROWS=[1, 2, 4], BLOCK_H=[256, 512, 1024, 2048], num_warps=[4, 8]), gather_sum(True)),
+        routing._PERMUTE_BACKWARD: (
+            widths, _grid(ROWS=[1, 2, 4], BLOCK_H=[256, 512, 1024, 2048], num_warps=[4, 8]), gather_sum(False),
+        ),
         routing._UNPERMUTE_BACKWARD: (
             widths, _grid(ROWS=[1, 2], BLOCK_H=[1024, 2048, 4096], PAD_ROWS=[256], num_warps=[4, 8]), unpermute_backward,
         ),
