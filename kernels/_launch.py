@@ -4,16 +4,25 @@ Triton's launch path binds and specializes every argument in Python on every cal
 argument with Triton 3.6 on the lent H100 host), which is most of the host cost of fastft's small
 kernels. ``launch`` keeps the compiled kernel that ``fn[grid]`` returned, under a key that covers
 everything Triton specializes on (each tensor's dtype and 16-byte alignment; each int's value class: 1,
-a multiple of 16, 32/64-bit; the constexpr and launch options), and later launches it directly.
+a multiple of 16, 32/64-bit; the constexpr and launch options), and later launches it directly: through
+the kernel's launcher with the current stream, or, while a launch hook is set (a profiler) or on a
+Triton without ``triton.knobs``, through the compiled kernel's own runner.
 The interpreter (CPU) always takes Triton's own path.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
 
 _compiled: dict = {}  # key -> (compiled kernel, names of the constexpr parameters after the positional ones)
 _direct = [True]  # cleared if this Triton's compiled kernels cannot be launched directly
+_hooks = getattr(getattr(triton, "knobs", None), "runtime", None)  # Triton >= 3.4: where launch hooks live
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: a callable, or (newer Tritons) a non-empty ``HookChain``."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -48,7 +57,7 @@ def launch(fn, grid, *args, **meta) -> None:
         fn[grid](*args, **meta)
         return
     grid = tuple(grid) + (1,) * (3 - len(grid))
-    key = (fn, args[0].device.index, *meta.items(), *_key(args))
+    key = (fn, torch.cuda.current_device(), *meta.items(), *_key(args))  # Triton launches on the current device
     hit = _compiled.get(key)
     if hit is None:
         kernel = fn[grid](*args, **meta)
@@ -58,7 +67,13 @@ def launch(fn, grid, *args, **meta) -> None:
         return
     kernel, names = hit
     try:
-        kernel[grid](*args, *(meta[name] for name in names))
+        if _hooks is None or _hooked(_hooks.launch_enter_hook) or _hooked(_hooks.launch_exit_hook):
+            kernel[grid](*args, *(meta[name] for name in names))
+        else:  # what kernel[grid] does with no hook set, minus its per-call closure and device query
+            kernel.run(
+                *grid, torch._C._cuda_getCurrentRawStream(key[1]), kernel.function, kernel.packed_metadata,
+                None, None, None, *args, *(meta[name] for name in names),
+            )
     except (AttributeError, TypeError):  # a Triton whose compiled-kernel API differs: use its own path
         _direct[0] = False
         fn[grid](*args, **meta)

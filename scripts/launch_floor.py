@@ -23,6 +23,8 @@ print("triton k1[grid] 2 args", host(lambda: k1[(4,)](x, 4096, BLOCK=1024)))
 print("triton k12[grid] 12 args", host(lambda: k12[(4,)](x,x,x,x,x,x,x,x,x,x,x,4096, BLOCK=1024)))
 c = k1[(4,)](x, 4096, BLOCK=1024)
 print("compiled kernel[grid] 2 args", host(lambda: c[(4,1,1)](x, 4096, 1024)))
+print("compiled kernel's launcher (.run) 2 args", host(lambda: c.run(
+    4, 1, 1, torch._C._cuda_getCurrentRawStream(0), c.function, c.packed_metadata, None, None, None, x, 4096, 1024)))
 print("x.split 6", host(lambda: x.split([1,2,3,4,5,4081])))
 import fastft
 from fastft.bench.routing import router_ids

@@ -5,8 +5,9 @@ import torch
 
 pytest.importorskip("triton")
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
-from fastft.kernels._launch import _key, cdiv, next_power_of_2  # noqa: E402
+from fastft.kernels._launch import _hooked, _key, cdiv, next_power_of_2  # noqa: E402
 
 
 def test_host_helpers_match_triton():
@@ -31,3 +32,58 @@ def test_key_separates_what_triton_specializes_on():
     assert _key((-(2**31),)) != _key((-(2**31) - 16,))
     assert _key((0.5,)) == _key((2.0,))  # floats are not specialized on their value
     assert _key((True,)) != _key((1,)) and _key((None,)) != _key((0,))
+
+
+def test_a_launch_hook_counts_as_set_only_when_it_would_run():
+    class Chain:  # the shape of Triton's HookChain
+        def __init__(self, calls):
+            self.calls = calls
+
+    assert not _hooked(None) and not _hooked(Chain([]))
+    assert _hooked(print) and _hooked(Chain([print]))
+
+
+@triton.jit
+def _fill_kernel(x_ptr, n, value, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, value, mask=i < n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cached_launch_runs_on_the_current_stream_and_calls_launch_hooks():
+    from fastft.kernels._launch import _compiled, launch
+
+    n = 1000
+    x = torch.zeros(n, dtype=torch.int32, device="cuda")
+    for value in (3, 4):  # the first call compiles, the second takes the cached kernel
+        launch(_fill_kernel, (cdiv(n, 256),), x, n, value, BLOCK=256)
+        assert torch.equal(x, torch.full_like(x, value))
+    assert any(key[0] is _fill_kernel for key in _compiled)
+
+    # Captured into a CUDA graph only if it went to the capturing (current) stream.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(_fill_kernel, (cdiv(n, 256),), x, n, 5, BLOCK=256)
+    x.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.full_like(x, 5))
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        pytest.skip("launch hooks live in triton.knobs (Triton >= 3.4)")
+    seen = []
+    hook = seen.append
+    chain = knobs.runtime.launch_enter_hook  # a HookChain on newer Tritons, else None or a callable
+    if hasattr(chain, "add"):
+        chain.add(hook)
+    else:
+        knobs.runtime.launch_enter_hook = hook
+    try:
+        launch(_fill_kernel, (cdiv(n, 256),), x, n, 6, BLOCK=256)
+    finally:
+        if hasattr(chain, "add"):
+            chain.remove(hook)
+        else:
+            knobs.runtime.launch_enter_hook = chain
+    assert len(seen) == 1 and torch.equal(x, torch.full_like(x, 6))
