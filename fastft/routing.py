@@ -78,10 +78,11 @@ def _layout(t: int, k: int, e: int, block_size: int) -> tuple[int, tuple[int, ..
     return cap, sizes, ends[:-1]
 
 
-def _route_buffer(t: int, k: int, e: int, block_size: int, device) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """An empty packed routing buffer and the element offsets of its pieces after counts (which is at 0)."""
-    _, sizes, starts = _layout(t, k, e, block_size)
-    return torch.empty(starts[-1] + sizes[-1], dtype=torch.int32, device=device), starts
+def _route_buffer(t: int, k: int, e: int, block_size: int, device) -> tuple[torch.Tensor, tuple[int, ...], int]:
+    """An empty packed routing buffer, the element offsets of its pieces after counts (which is at 0), and
+    the capacity."""
+    cap, sizes, starts = _layout(t, k, e, block_size)
+    return torch.empty(starts[-1] + sizes[-1], dtype=torch.int32, device=device), starts, cap
 
 
 def _pack(pieces) -> torch.Tensor:
@@ -101,8 +102,7 @@ def _route_op(
             topk_ids, num_experts, block_size, expert_map, num_local_experts
         )
         return _pack([counts, offsets, padded, sorted_pair, expert_of_block, inverse])
-    cap = reference.capacity(n, num_local_experts, block_size)
-    packed, offsets = _route_buffer(t, k, num_local_experts, block_size, topk_ids.device)
+    packed, offsets, cap = _route_buffer(t, k, num_local_experts, block_size, topk_ids.device)
     cfg = autotune.params(OP_ROUTE, topk_ids.device, n)
     # Every scatter program reads the whole (blocks x experts) histogram; past 2**17 entries fewer, larger
     # blocks win (H100, E=1024, T*K=524288: 177 µs with 2048 pairs per block, 264 µs with 1024).

@@ -124,8 +124,7 @@ def tune_specs(device: torch.device):
 
     def route(n):
         ids = router_ids(n // 8, 128, 8, device)
-        cap = reference.capacity(n, 128, 1)
-        out, offsets = fastft.routing._route_buffer(n // 8, 8, 128, 1, device)
+        out, offsets, cap = fastft.routing._route_buffer(n // 8, 8, 128, 1, device)
         return lambda cfg: kernels.route(ids, 128, 1, None, 128, cap, out, offsets, **cfg)
 
     def rows_of(hidden, t=4096):
