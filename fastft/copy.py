@@ -293,10 +293,12 @@ class Offloader:
 
     def __init__(self, device: torch.device | str, num_buffers: int = 2) -> None:
         device = torch.device(device)
+        if isinstance(num_buffers, bool) or not isinstance(num_buffers, int) or num_buffers < 1:
+            raise ValueError(f"num_buffers must be an int >= 1, got {num_buffers!r}")
         if device.type != "cuda":
             raise ValueError(f"Offloader needs a CUDA device, got {device}")
-        if not isinstance(num_buffers, int) or num_buffers < 1:
-            raise ValueError(f"num_buffers must be an int >= 1, got {num_buffers!r}")
+        if not torch.cuda.is_available():
+            raise ValueError(f"Offloader needs a CUDA device, and this torch sees none (asked for {device})")
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self.copy_stream = torch.cuda.Stream(self.device)
         self.pool = PinnedPool(self.copy_stream)

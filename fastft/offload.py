@@ -63,9 +63,11 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         for name in ("enabled", "double_buffer"):
             value = getattr(self, name)
-            if value is not None and value not in _CHOICES:
-                raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
-        if self.min_bytes is not None and (not isinstance(self.min_bytes, int) or self.min_bytes < 0):
+            if value is not None and not any(value is c for c in _CHOICES) and value != "auto":
+                raise ValueError(f"{name} must be 'auto', True or False (or None), got {value!r}")
+        if self.min_bytes is not None and (
+            isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0
+        ):
             raise ValueError(f"min_bytes must be an int >= 0, got {self.min_bytes!r}")
 
     def resolve(self) -> tuple:
@@ -92,6 +94,8 @@ def _unified_memory(device: torch.device) -> bool:
 def offloader_for(x, config: OffloadConfig | None = None) -> Offloader | None:
     """The ``Offloader`` that ``offloaded_checkpoint`` would use for layer input ``x``, or None when it
     would checkpoint without offloading."""
+    if config is not None and not isinstance(config, OffloadConfig):
+        raise TypeError(f"offload_config must be a fastft.OffloadConfig or None, got {type(config).__name__}")
     enabled, double, min_bytes = (config or OffloadConfig()).resolve()
     if enabled is False or not isinstance(x, torch.Tensor) or x.device.type != "cuda":
         return None
@@ -142,6 +146,8 @@ def offloaded_checkpoint(
     """
     if use_reentrant:
         raise ValueError("offloaded_checkpoint is non-reentrant; use_reentrant must be False or None")
+    if offload_config is not None and not isinstance(offload_config, OffloadConfig):
+        raise TypeError(f"offload_config must be a fastft.OffloadConfig or None, got {type(offload_config).__name__}")
     options = dict(use_reentrant=False, preserve_rng_state=preserve_rng_state, determinism_check=determinism_check, debug=debug)
     if context_fn is not None:
         options["context_fn"] = context_fn
@@ -184,6 +190,8 @@ def enable_gradient_checkpointing(model, config: OffloadConfig | None = None, **
     """
     if config is not None and config_fields:
         raise ValueError("give either config or OffloadConfig fields as keywords, not both")
+    if config is not None and not isinstance(config, OffloadConfig):
+        raise TypeError(f"config must be a fastft.OffloadConfig or None, got {type(config).__name__}")
     config = config or OffloadConfig(**config_fields)
     if not hasattr(model, "gradient_checkpointing_enable") or not hasattr(model, "_set_gradient_checkpointing"):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")

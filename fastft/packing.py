@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import collections
 import inspect
+import numbers
 import os
 import weakref
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from . import autotune, dispatch
@@ -45,7 +47,9 @@ autotune.DEFAULTS.update({
 })
 
 _INT32_MAX = 2**31 - 1
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8) + tuple(
+    getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name)
+)
 
 
 
@@ -252,7 +256,11 @@ class PackedSeqInfo:
 
 
 def document_mask_mod(doc_ids: torch.Tensor, window: int | None = None):
-    """FlexAttention ``mask_mod`` for ``[B, T]`` document ids: same doc, causal, optional window."""
+    """FlexAttention ``mask_mod`` for ``[B, T]`` integer document ids: same doc, causal, optional window."""
+    if not isinstance(doc_ids, torch.Tensor):
+        raise TypeError(f"doc_ids must be a [B, T] integer tensor, got {type(doc_ids).__name__}")
+    if doc_ids.dim() != 2 or doc_ids.dtype not in _INT_DTYPES:
+        raise ValueError(f"doc_ids must be a [B, T] integer tensor, got {doc_ids.dtype} of shape {tuple(doc_ids.shape)}")
     w = _window(window)
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -287,18 +295,42 @@ def _make_block_mask(tables, doc_ids, window, block_size):
 # ---- building it --------------------------------------------------------------------------------------
 
 
+def _is_int(v) -> bool:
+    """A Python or numpy integer, not a bool (collators hand both)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _check_int_tensor(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _INT_DTYPES:
+        raise ValueError(f"{name} must have an integer dtype (int8-int64, uint8-uint64), got {t.dtype}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device: packed_seq_info needs its values")
+
+
+def _lengths_key(name: str, value) -> tuple:
+    """The validated lengths / cu_seqlens ``value`` (not a tensor) as a tuple of Python ints."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or not (np.issubdtype(value.dtype, np.integer) and value.dtype != np.bool_):
+            raise ValueError(f"{name} as a numpy array must be 1-D with an integer dtype, got {value.ndim}-D {value.dtype}")
+        return tuple(value.tolist())
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(
+            f"{name} must be a list/tuple of ints, a 1-D integer numpy array or tensor, got {type(value).__name__}"
+        )
+    for v in value:
+        if not _is_int(v):
+            raise ValueError(f"{name} must be a list/tuple of ints (Python or numpy integers); it holds {type(v).__name__} {v!r}")
+    return tuple(int(v) for v in value)
+
+
 def _host_ints(name: str, value) -> torch.Tensor:
-    """A 1-D int64 CPU tensor from a list/tuple of ints or a 1-D integer tensor (one sync if on a GPU)."""
+    """A 1-D int64 CPU tensor from validated lengths: a tuple of ints or a 1-D integer tensor (one sync
+    if on a GPU)."""
     if isinstance(value, torch.Tensor):
-        if value.dtype not in _INT_DTYPES:
-            raise ValueError(f"{name} must have an integer dtype, got {value.dtype}")
-        if value.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
-        return value.detach().to("cpu", torch.int64)
-    if not isinstance(value, (list, tuple)) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        raise ValueError(f"{name} must be a list/tuple of ints or a 1-D integer tensor, got {type(value).__name__}")
+        ints = value.detach().to("cpu", torch.int64)
+        if value.dtype == torch.uint64 and (ints < 0).any():
+            raise ValueError(f"{name} has a value past 2**63 - 1")
+        return ints
     return torch.tensor(value, dtype=torch.int64).reshape(-1)
 
 
@@ -317,8 +349,6 @@ def _from_host_cu(cu: torch.Tensor, num_tokens, max_seqlen, device, backend, arg
     total = int(cu[-1])
     if num_tokens is None:
         num_tokens = total
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
     if total > num_tokens:
         raise ValueError(f"{arg} covers {total} tokens, more than num_tokens={num_tokens}")
     if num_tokens > _INT32_MAX:
@@ -327,7 +357,7 @@ def _from_host_cu(cu: torch.Tensor, num_tokens, max_seqlen, device, backend, arg
     if num_tokens > total:
         lengths = torch.cat([lengths, lengths.new_tensor([num_tokens - total])])
     longest = int(lengths.max()) if lengths.numel() else 0
-    if max_seqlen is not None and (not isinstance(max_seqlen, int) or max_seqlen < longest):
+    if max_seqlen is not None and max_seqlen < longest:
         raise ValueError(f"max_seqlen={max_seqlen!r} is less than the longest sequence ({longest})")
     cu32 = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
     cu_dev = _to_device(cu32, device)
@@ -340,16 +370,8 @@ def _from_host_cu(cu: torch.Tensor, num_tokens, max_seqlen, device, backend, arg
     return PackedSeqInfo(num_tokens=num_tokens, device=device, shape=(1, num_tokens), backend=backend, memo=memo)
 
 
-def _from_position_ids(position_ids: torch.Tensor, num_tokens, device, backend) -> PackedSeqInfo:
-    if position_ids.dtype not in _INT_DTYPES:
-        raise ValueError(f"position_ids must have an integer dtype, got {position_ids.dtype}")
-    if position_ids.dim() not in (1, 2):
-        raise ValueError(f"position_ids must be [T] or [B, T], got shape {tuple(position_ids.shape)}")
+def _from_position_ids(position_ids: torch.Tensor, device, backend) -> PackedSeqInfo:
     n = position_ids.numel()
-    if num_tokens is not None and num_tokens != n:
-        raise ValueError(f"num_tokens={num_tokens} but position_ids has {n} tokens")
-    if n > _INT32_MAX:
-        raise ValueError(f"position_ids has {n} tokens; cu_seqlens is int32, so at most {_INT32_MAX}")
     pos = position_ids.detach().to(device)
     if pos.dtype not in (torch.int32, torch.int64):
         pos = pos.long()
@@ -368,6 +390,49 @@ def _from_position_ids(position_ids: torch.Tensor, num_tokens, device, backend) 
     return PackedSeqInfo(
         num_tokens=n, device=device, shape=shape, backend=backend, memo=memo, pending=(starts, summary)
     )
+
+
+def _validate(position_ids, seq_lengths, cu_seqlens, max_seqlen, num_tokens, device, backend):
+    """(source name, source value, memo identity) after every check that needs no GPU data. Runs on every
+    call, memo hit or not, so that whether a call is accepted never depends on earlier calls."""
+    sources = {"position_ids": position_ids, "seq_lengths": seq_lengths, "cu_seqlens": cu_seqlens}
+    given = [k for k, v in sources.items() if v is not None]
+    if len(given) != 1:
+        raise ValueError(f"pass exactly one of position_ids, seq_lengths, cu_seqlens (got {given or 'none'})")
+    arg = given[0]
+    value = sources[arg]
+    for name, n in (("max_seqlen", max_seqlen), ("num_tokens", num_tokens)):
+        if n is not None and (not _is_int(n) or n < 0):
+            raise ValueError(f"{name} must be a non-negative int or None, got {type(n).__name__} {n!r}")
+    if max_seqlen is not None and arg != "cu_seqlens":
+        raise ValueError("max_seqlen is only taken with cu_seqlens")
+    if num_tokens is not None and num_tokens > _INT32_MAX:
+        raise ValueError(f"num_tokens={num_tokens} does not fit int32 cu_seqlens (at most {_INT32_MAX})")
+    if device is not None and not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"device must be a torch.device, str or None, got {type(device).__name__}")
+    if device is not None and torch.device(device).type == "meta":
+        raise ValueError("device must not be meta: packed_seq_info computes values")
+    dispatch.requested_backend(backend)
+    if isinstance(value, torch.Tensor):
+        _check_int_tensor(arg, value)
+        if arg == "position_ids":
+            if value.dim() not in (1, 2):
+                raise ValueError(f"position_ids must be [T] or [B, T], got shape {tuple(value.shape)}")
+            n = value.numel()
+            if num_tokens is not None and num_tokens != n:
+                raise ValueError(f"num_tokens={num_tokens} but position_ids has {n} tokens")
+            if n > _INT32_MAX:
+                raise ValueError(f"position_ids has {n} tokens; cu_seqlens is int32, so at most {_INT32_MAX}")
+        elif value.dim() != 1:
+            raise ValueError(f"{arg} must be 1-D, got shape {tuple(value.shape)}")
+        return arg, value, (id(value), value._version)
+    if arg == "position_ids":
+        raise TypeError(f"position_ids must be a tensor, got {type(value).__name__}")
+    return arg, value, _lengths_key(arg, value)
+
+
+def _int_or_none(n):
+    return None if n is None else int(n)
 
 
 _CACHE_SIZE = 16
@@ -392,35 +457,24 @@ def packed_seq_info(
     ``device`` is where the tensors go (default: the input tensor's device, CPU for lists).
     ``backend`` overrides ``FASTFT_BACKEND`` for this info's kernels: ``auto``, ``triton`` or ``torch``.
 
-    Raises ``ValueError`` naming the argument for: not exactly one source, non-integer dtypes, negative
-    lengths, lengths summing past ``num_tokens``, ``cu_seqlens`` not starting at 0 or decreasing.
+    Lengths and ``cu_seqlens`` may be lists/tuples of Python or numpy integers, 1-D integer numpy arrays
+    or 1-D integer tensors (signed or unsigned). Every argument is checked on every call, before the memo.
+
+    Raises ``ValueError`` naming the argument for: not exactly one source, non-integer dtypes or values,
+    negative lengths, lengths summing past ``num_tokens``, ``cu_seqlens`` not starting at 0 or decreasing,
+    a ``max_seqlen``/``num_tokens`` that is not a non-negative int, meta tensors; ``TypeError`` for
+    non-tensor ``position_ids``.
     """
-    # Fast path for every layer after the first: the key uses the arguments as passed.
-    value = position_ids if position_ids is not None else seq_lengths if seq_lengths is not None else cu_seqlens
+    arg, value, ident = _validate(position_ids, seq_lengths, cu_seqlens, max_seqlen, num_tokens, device, backend)
+    max_seqlen, num_tokens = _int_or_none(max_seqlen), _int_or_none(num_tokens)  # numpy integers -> int
+    # Every layer after the first hits this memo: one dictionary lookup, no GPU sync.
     memoize = not torch.compiler.is_compiling() and not (isinstance(value, torch.Tensor) and value.is_inference())
     if memoize:
-        try:
-            ident = (id(value), value._version) if isinstance(value, torch.Tensor) else tuple(value)
-            key = (
-                position_ids is None, seq_lengths is None, cu_seqlens is None, ident, max_seqlen, num_tokens,
-                str(device), backend, os.environ.get("FASTFT_BACKEND"),
-            )
-            hit = _cache.get(key)
-        except TypeError:  # unhashable or not iterable: let validation below name the problem
-            memoize, hit = False, None
+        key = (arg, ident, max_seqlen, num_tokens, str(device), backend, os.environ.get("FASTFT_BACKEND"))
+        hit = _cache.get(key)
         if hit is not None and (hit[0] is None or hit[0]() is value):
             return hit[1]
 
-    sources = {"position_ids": position_ids, "seq_lengths": seq_lengths, "cu_seqlens": cu_seqlens}
-    given = [k for k, v in sources.items() if v is not None]
-    if len(given) != 1:
-        raise ValueError(f"pass exactly one of position_ids, seq_lengths, cu_seqlens (got {given or 'none'})")
-    if max_seqlen is not None and cu_seqlens is None:
-        raise ValueError("max_seqlen is only taken with cu_seqlens")
-    arg = given[0]
-    if arg == "position_ids" and not isinstance(value, torch.Tensor):
-        raise TypeError(f"position_ids must be a tensor, got {type(value).__name__}")
-    dispatch.requested_backend(backend)  # validates the override before anything is built
     if device is None:
         device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
     device = torch.device(device)
@@ -428,15 +482,16 @@ def packed_seq_info(
         device = torch.device("cuda", torch.cuda.current_device())
 
     if arg == "position_ids":
-        info = _from_position_ids(value, num_tokens, device, backend)
+        info = _from_position_ids(value, device, backend)
     elif arg == "seq_lengths":
-        lengths = _host_ints("seq_lengths", value)
+        lengths = _host_ints("seq_lengths", value if isinstance(value, torch.Tensor) else ident)
         if (lengths < 0).any():
             raise ValueError("seq_lengths must be non-negative")
         cu = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
         info = _from_host_cu(cu, num_tokens, None, device, backend, "seq_lengths")
     else:
-        info = _from_host_cu(_host_ints("cu_seqlens", value), num_tokens, max_seqlen, device, backend, "cu_seqlens")
+        cu = _host_ints("cu_seqlens", value if isinstance(value, torch.Tensor) else ident)
+        info = _from_host_cu(cu, num_tokens, max_seqlen, device, backend, "cu_seqlens")
 
     if memoize:
         _cache[key] = (weakref.ref(value) if isinstance(value, torch.Tensor) else None, info)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import threading
 from typing import Optional
 
 import torch
@@ -274,10 +275,22 @@ class MoERouting:
     block_size: int
     capacity: int
     backend: Optional[str] = None
+    # The tensors' version counter at routing (-1: inference tensors, which have none).
+    _version: int = dataclasses.field(default=-1, repr=False, compare=False)
+
+    def __post_init__(self):
+        if not getattr(_making, "route", False):
+            raise TypeError(
+                "MoERouting is made by fastft.moe_route only: the routing ops index memory with its slots, "
+                "which moe_route guarantees to be in range"
+            )
 
     @property
     def device(self) -> torch.device:
         return self.inverse.device
+
+
+_making = threading.local()  # .route is True while moe_route builds a MoERouting
 
 
 def _positive_int(name: str, value) -> int:
@@ -333,18 +346,36 @@ def moe_route(
     cap, sizes, _ = _layout(t, k, num_local, block_size)
     if n > _INT32_MAX or cap > _INT32_MAX:
         raise ValueError(f"T*K={n} pairs need {cap} slots; int32 slot indices allow at most {_INT32_MAX}")
+    # The routing buffer and the kernels' (pair blocks x experts) histograms, in int32 entries.
+    implied = sum(sizes) + 2 * num_local * -(-n // 1024)
+    if implied > _INT32_MAX:
+        name = "num_local_experts" if expert_map is not None else "num_experts"
+        raise ValueError(
+            f"{name}={num_local} with T*K={n} pairs implies {implied} int32 routing entries; at most {_INT32_MAX}"
+        )
     chosen = dispatch.backend_for(OP_ROUTE, topk_ids.device, backend)
     packed = _route_op(topk_ids.detach(), num_experts, block_size, expert_map, num_local, chosen)
     counts, offsets, padded, sorted_pair, expert_of_block, inverse = packed.split_with_sizes(sizes)
-    return MoERouting(
-        counts, offsets, padded, sorted_pair, inverse.view(t, k), expert_of_block, t, k, num_experts, num_local,
-        block_size, cap, backend,
-    )
+    _making.route = True
+    try:
+        return MoERouting(
+            counts, offsets, padded, sorted_pair, inverse.view(t, k), expert_of_block, t, k, num_experts, num_local,
+            block_size, cap, backend, -1 if torch.compiler.is_compiling() or packed.is_inference() else packed._version,
+        )
+    finally:
+        _making.route = False
 
 
 def _check_routing(routing) -> None:
     if not isinstance(routing, MoERouting):
         raise TypeError(f"routing must be a MoERouting from moe_route, got {type(routing).__name__}")
+    if routing._version >= 0 and not torch.compiler.is_compiling() and routing.inverse._version != routing._version:
+        raise ValueError("routing's tensors were changed in place after moe_route; route again")
+
+
+def _check_differentiable(name: str, x: torch.Tensor) -> None:
+    if x.requires_grad and torch.is_grad_enabled() and not x.is_floating_point():
+        raise TypeError(f"{name} requires grad but is {x.dtype}: gradients need a real floating dtype")
 
 
 def _check_rows(name: str, x, rows: int, rows_name: str, device) -> None:
@@ -363,9 +394,11 @@ def _unit_columns(x: torch.Tensor) -> torch.Tensor:
 def moe_permute(x: torch.Tensor, routing: MoERouting, *, backend: str | None = None) -> torch.Tensor:
     """``[capacity, H]``: slot ``s`` holds ``x[sorted_pair[s] // K]``; padding rows are exactly 0.
 
-    Differentiable: ``dx[t] = sum_k dxs[inverse[t, k]]``, a deterministic gather-sum in fp32."""
+    A bit copy: any dtype (fp8, integers, bool, complex). Differentiable for real floating ``x``:
+    ``dx[t] = sum_k dxs[inverse[t, k]]``, a deterministic gather-sum in fp32."""
     _check_routing(routing)
     _check_rows("x", x, routing.num_tokens, "T", routing.device)
+    _check_differentiable("x", x)
     chosen = dispatch.backend_for(OP_PERMUTE, x.device, backend if backend is not None else routing.backend)
     return _permute_op(_unit_columns(x), routing.sorted_pair, routing.inverse, chosen)
 
@@ -374,12 +407,15 @@ def moe_unpermute(
     ys: torch.Tensor, routing: MoERouting, weights: torch.Tensor | None = None, *, backend: str | None = None
 ) -> torch.Tensor:
     """``[T, H]``: ``y[t] = sum_k weights[t, k] * ys[inverse[t, k]]`` over routed k, accumulated in fp32 in
-    ascending k, returned in ``ys.dtype``. ``weights``: floating ``[T, K]`` or None (all ones).
+    ascending k, returned in ``ys.dtype`` (rounded as ``Tensor.to``). ``ys``: any real floating dtype, fp8
+    included (widened to fp32 exactly); ``weights``: floating ``[T, K]`` or None (all ones).
 
     Differentiable: ``dys`` is ``w * dy`` of each slot's token (0 on padding);
     ``dweights[t, k] = <dy[t], ys[inverse[t, k]]>`` in fp32 (0 for unrouted pairs)."""
     _check_routing(routing)
     _check_rows("ys", ys, routing.capacity, "capacity", routing.device)
+    if not ys.is_floating_point():
+        raise TypeError(f"ys must have a real floating dtype (the combine sums in fp32), got {ys.dtype}")
     if weights is not None:
         if not isinstance(weights, torch.Tensor):
             raise TypeError(f"weights must be a tensor or None, got {type(weights).__name__}")
@@ -396,9 +432,11 @@ def moe_unpermute(
 
 def moe_expert_rows(table: torch.Tensor, routing: MoERouting, *, backend: str | None = None) -> torch.Tensor:
     """``[capacity, F]``: ``table[expert of slot s]``, 0 on padding (e.g. each row's expert bias).
-    ``table`` is ``[num_local_experts, F]``. Differentiable (a deterministic per-expert sum)."""
+    ``table`` is ``[num_local_experts, F]`` of any dtype (a bit copy). Differentiable for real floating
+    ``table`` (a deterministic per-expert sum in fp32)."""
     _check_routing(routing)
     _check_rows("table", table, routing.num_local_experts, "num_local_experts", routing.device)
+    _check_differentiable("table", table)
     chosen = dispatch.backend_for(OP_EXPERT_ROWS, table.device, backend if backend is not None else routing.backend)
     return _expert_rows_op(
         _unit_columns(table), routing.sorted_pair, routing.expert_of_block, routing.counts,

@@ -171,6 +171,24 @@ def route(topk_ids, num_experts, block_size, expert_map, num_local, capacity, ou
 
 # ---- moving rows -----------------------------------------------------------------------------------------
 
+# Row moves are bit copies: any dtype moves as the same-width integer (complex128 as two int64). The
+# arithmetic kernels (combine, weighted scatter, segment sum) compute in fp32 and take these dtypes natively;
+# any other floating dtype (fp8) is widened to fp32 first (exact) and the result rounded by torch, so the
+# numbers are the reference's bit for bit.
+_NATIVE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
+
+
+def _bits(x):
+    """``x`` (``[R, H]``) viewed as integers of its element width (16-byte elements as two int64)."""
+    if x.shape[1] > 1 and x.stride(1) != 1 or x.element_size() > 8:
+        x = x.contiguous()
+    return x.view(_BITS[x.element_size()])
+
+
+def _wide(x):
+    return x if x is None or x.dtype in _NATIVE_FLOATS else x.float()
+
 
 @triton.jit(do_not_specialize=["t", "top_k", "capacity"])
 def _scatter_rows_kernel(
@@ -239,14 +257,18 @@ def _scatter_rows(src, inverse, sorted_pair, out, *, weights=None, other=None, d
 
 
 def permute(x, sorted_pair, inverse, **launch_params):
-    """``[capacity, H]``: slot ``inverse[t, k]`` holds ``x[t]``, padding slots 0; ``x`` has unit column stride."""
-    out = torch.empty((sorted_pair.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
-    _scatter_rows(x, inverse, sorted_pair, out, **launch_params)
-    return out
+    """``[capacity, H]``: slot ``inverse[t, k]`` holds ``x[t]``, padding slots 0 (a bit copy, any dtype)."""
+    src = _bits(x)
+    out = torch.empty((sorted_pair.shape[0], src.shape[1]), dtype=src.dtype, device=x.device)
+    _scatter_rows(src, inverse, sorted_pair, out, **launch_params)
+    return out.view(x.dtype)
 
 
 def unpermute_backward(dy, ys, sorted_pair, inverse, weights, **launch_params):
     """(dys, dweights) of the weighted combine; ``weights`` contiguous ``[T, K]``."""
+    if ys.dtype not in _NATIVE_FLOATS or weights.dtype not in _NATIVE_FLOATS:
+        dys, dw = unpermute_backward(_wide(dy), _wide(ys), sorted_pair, inverse, _wide(weights), **launch_params)
+        return dys.to(ys.dtype), dw.to(weights.dtype)
     dys = torch.empty(ys.shape, dtype=ys.dtype, device=ys.device)
     dw = torch.empty(weights.shape, dtype=weights.dtype, device=weights.device)
     if dys.numel() == 0:
@@ -273,14 +295,16 @@ def _expert_rows_kernel(
 
 
 def expert_rows(table, sorted_pair, expert_of_block, block_size, *, ROWS, BLOCK_H, num_warps):
-    rows, h = sorted_pair.shape[0], table.shape[1]
-    out = torch.empty((rows, h), dtype=table.dtype, device=table.device)
+    """``[capacity, F]``: each slot's expert row of ``table``, padding slots 0 (a bit copy, any dtype)."""
+    src = _bits(table)
+    rows, h = sorted_pair.shape[0], src.shape[1]
+    out = torch.empty((rows, h), dtype=src.dtype, device=table.device)
     if rows and h:
         launch(
-            _expert_rows_kernel, (cdiv(rows, ROWS),), table, table.stride(0), sorted_pair, expert_of_block,
+            _expert_rows_kernel, (cdiv(rows, ROWS),), src, src.stride(0), sorted_pair, expert_of_block,
             block_size, out, out.stride(0), rows, h, ROWS=ROWS, BLOCK_H=BLOCK_H, num_warps=num_warps,
         )
-    return out
+    return out.view(table.dtype)
 
 
 @triton.jit(do_not_specialize=["t", "top_k"])
@@ -309,6 +333,9 @@ def _gather_sum_kernel(
 
 def gather_sum(ys, inverse, weights, *, ROWS, BLOCK_H, num_warps):
     """``[T, H]`` combine of ``ys`` (unit column stride); ``inverse``/``weights`` contiguous ``[T, K]``."""
+    if ys.dtype not in _NATIVE_FLOATS or (weights is not None and weights.dtype not in _NATIVE_FLOATS):
+        wide = gather_sum(_wide(ys), inverse, _wide(weights), ROWS=ROWS, BLOCK_H=BLOCK_H, num_warps=num_warps)
+        return wide.to(ys.dtype)
     t, k = inverse.shape
     h = ys.shape[1]
     out = torch.empty((t, h), dtype=ys.dtype, device=ys.device)
@@ -340,6 +367,9 @@ def _segment_sum_kernel(src_ptr, stride_src, counts_ptr, padded_ptr, dst_ptr, f,
 
 
 def expert_rows_backward(dout, counts, padded_offsets, num_local, *, ROWS, BLOCK_H, num_warps):
+    if dout.dtype not in _NATIVE_FLOATS:
+        wide = expert_rows_backward(dout.float(), counts, padded_offsets, num_local, ROWS=ROWS, BLOCK_H=BLOCK_H, num_warps=num_warps)
+        return wide.to(dout.dtype)
     f = dout.shape[1]
     out = torch.empty((num_local, f), dtype=dout.dtype, device=dout.device)
     if f:

@@ -35,3 +35,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def device():
     return DEVICE
+
+
+@pytest.fixture
+def rng():
+    """A ``torch.Generator`` seeded fresh each run (``FASTFT_TEST_SEED`` fixes it); the seed is printed, so
+    a failing test shows it under "Captured stdout setup" and can be rerun with it."""
+    seed = int(os.environ.get("FASTFT_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"rng seed: {seed} (rerun with FASTFT_TEST_SEED={seed})")
+    return torch.Generator().manual_seed(seed)

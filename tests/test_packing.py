@@ -2,6 +2,7 @@
 reference (hypothesis), the public API's validation, memoization and torch.compile tracing."""
 
 import pytest
+import numpy as np
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -167,6 +168,45 @@ def test_differential_reports_first_mismatch():
 def test_bad_input(kwargs, error, match):
     with pytest.raises(error, match=match):
         fastft.packed_seq_info(**kwargs)
+
+
+def test_validation_does_not_depend_on_earlier_calls():
+    fastft.packed_seq_info(seq_lengths=[1, 2])  # a memo entry whose key equals the bad inputs' values
+    fastft.packed_seq_info(cu_seqlens=[0, 4], max_seqlen=4)
+    for bad in ([1.0, 2], [True, 2], (1, 2.0)):
+        with pytest.raises(ValueError, match="seq_lengths must be a list/tuple of ints"):
+            fastft.packed_seq_info(seq_lengths=bad)
+    with pytest.raises(ValueError, match="max_seqlen must be a non-negative int"):
+        fastft.packed_seq_info(cu_seqlens=[0, 4], max_seqlen=4.0)
+    with pytest.raises(ValueError, match="seq_lengths as a numpy array must be 1-D with an integer dtype"):
+        fastft.packed_seq_info(seq_lengths=np.array([1.0, 2.0]))
+    pos = torch.arange(4)
+    fastft.packed_seq_info(position_ids=pos)
+    with pytest.raises(ValueError, match="num_tokens=5 but position_ids has 4"):
+        fastft.packed_seq_info(position_ids=pos, num_tokens=5)
+
+
+def test_collator_integer_types_are_accepted():
+    want = fastft.packed_seq_info(seq_lengths=[3, 2], backend="torch")
+    for lengths in (np.array([3, 2]), np.array([3, 2], dtype=np.uint16), [np.int64(3), np.int32(2)],
+                    torch.tensor([3, 2], dtype=torch.uint32)):
+        info = fastft.packed_seq_info(seq_lengths=lengths, backend="torch")
+        assert info.cu_seqlens.tolist() == want.cu_seqlens.tolist() and info.max_seqlen == 3
+    info = fastft.packed_seq_info(cu_seqlens=np.array([0, 3, 5]), max_seqlen=np.int64(3), num_tokens=np.int64(6))
+    assert info.cu_seqlens.tolist() == [0, 3, 5, 6] and info.max_seqlen == 3 and type(info.num_tokens) is int
+    pos = torch.tensor([0, 1, 2, 0, 1], dtype=torch.uint32)
+    assert fastft.packed_seq_info(position_ids=pos, backend="torch").doc_ids.tolist() == [0, 0, 0, 1, 1]
+    with pytest.raises(ValueError, match="position_ids is on the meta device"):
+        fastft.packed_seq_info(position_ids=torch.zeros(4, dtype=torch.long, device="meta"))
+
+
+def test_document_mask_mod_checks_doc_ids():
+    with pytest.raises(TypeError, match=r"doc_ids must be a \[B, T\] integer tensor, got NoneType"):
+        fastft.document_mask_mod(None)
+    with pytest.raises(ValueError, match=r"doc_ids must be a \[B, T\] integer tensor, got torch.int32 of shape \(4,\)"):
+        fastft.document_mask_mod(torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="doc_ids must be a"):
+        fastft.document_mask_mod(torch.zeros(1, 4))
 
 
 def test_bad_mask_arguments():

@@ -168,6 +168,10 @@ def test_gradients_match_autograd_of_plain_torch(device):
         ((torch.zeros(2, 2, dtype=torch.long), 4), {"backend": "cuda"}, ValueError, "backend must be one of"),
         ((torch.zeros(1, 1, dtype=torch.int32).expand(2**16, 2**15 + 1), 4), {}, ValueError,
          "int32 slot indices"),
+        ((torch.zeros(2, 2, dtype=torch.long), 10**9), {}, ValueError, "num_experts=1000000000 .* implies"),
+        ((torch.zeros(2, 2, dtype=torch.long), 2**31), {}, ValueError, "num_experts=2147483648 .* implies"),
+        ((torch.zeros(2, 2, dtype=torch.long), 4), {"expert_map": torch.zeros(4, dtype=torch.int32),
+                                                   "num_local_experts": 2**30}, ValueError, "num_local_experts=1073741824"),
     ],
 )
 def test_route_bad_input(args, kwargs, error, match):
@@ -191,6 +195,61 @@ def test_row_ops_bad_input():
         fastft.moe_expert_rows(torch.zeros(3, 5), r)
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.capacity = 3
+    with pytest.raises(TypeError, match="ys must have a real floating dtype"):
+        fastft.moe_unpermute(torch.zeros(6, 3, dtype=torch.complex64), r)
+    with pytest.raises(TypeError, match="ys must have a real floating dtype"):
+        fastft.moe_unpermute(torch.zeros(6, 3, dtype=torch.int32), r)
+    with pytest.raises(TypeError, match="x requires grad but is torch.complex64"):
+        fastft.moe_permute(torch.zeros(2, 3, dtype=torch.complex64, requires_grad=True), r)
+
+
+def test_routing_is_made_by_moe_route_only():
+    r = fastft.moe_route(torch.tensor([[0, 1], [1, 1]]), 2, block_size=2)
+    bad = r.inverse + 10**6  # slots far out of range
+    with pytest.raises(TypeError, match="MoERouting is made by fastft.moe_route only"):
+        fastft.MoERouting(r.counts, r.offsets, r.padded_offsets, r.sorted_pair, bad, r.expert_of_block, 2, 2, 2, 2, 2, 6)
+    with pytest.raises(TypeError, match="made by fastft.moe_route only"):
+        dataclasses.replace(r, inverse=bad)
+    r.inverse[0, 0] = 10**6  # in place, after routing
+    for op in (lambda: fastft.moe_permute(torch.ones(2, 3), r), lambda: fastft.moe_unpermute(torch.ones(6, 3), r),
+               lambda: fastft.moe_expert_rows(torch.ones(2, 3), r)):
+        with pytest.raises(ValueError, match="changed in place after moe_route"):
+            op()
+    with torch.inference_mode():  # inference tensors have no version counter: routing still works
+        r = fastft.moe_route(torch.tensor([[0, 1]]), 2)
+        assert fastft.moe_permute(torch.ones(1, 3), r).shape == (2, 3)
+
+
+ROW_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float64, torch.complex64, torch.complex128,
+              torch.int8, torch.int64, torch.bool]
+
+
+@pytest.mark.parametrize("dtype", ROW_DTYPES)
+def test_row_moves_take_every_dtype_bit_exactly(device, dtype, rng):
+    """Permute and expert rows are bit copies on both backends; the combine widens fp8 to fp32 exactly."""
+    ids = testing.random_topk_ids(rng, 37, 3, 6).to(device)
+    r = fastft.moe_route(ids, 6, block_size=4)
+    raw = torch.randint(-(2**62), 2**62, (37, 24), generator=rng, dtype=torch.int64)
+    x = raw.view(torch.uint8)[:, :24 * dtype.itemsize].contiguous().view(dtype) if dtype != torch.bool else raw > 0
+    x = x[:, :5].to(device)
+    table = x[:6]
+    for backend in ("triton", "torch"):
+        got = fastft.moe_permute(x, r, backend=backend)
+        want = reference.permute(x, r.sorted_pair, r.top_k)
+        assert got.dtype == dtype and testing.bits(got).equal(testing.bits(want)), backend
+        got = fastft.moe_expert_rows(table, r, backend=backend)
+        want = reference.expert_rows(table, r.sorted_pair, r.expert_of_block, r.block_size)
+        assert testing.bits(got).equal(testing.bits(want)), backend
+    if dtype.is_floating_point:
+        ys = (torch.randn(r.capacity, 5, generator=rng) * 4).to(device, dtype)
+        w = torch.rand(37, 3, generator=rng).to(device)
+        got = fastft.moe_unpermute(ys, r, w, backend="triton")
+        want = reference.gather_sum(ys, r.inverse, w)
+        assert got.dtype == dtype
+        if dtype.itemsize == 1 or dtype == torch.float64:  # fp8: fp32 sums rounded by torch, as the reference
+            assert testing.bits(got).equal(testing.bits(want))
+        else:  # the kernel's own bf16 rounding: one unit in the last place of the reference's
+            torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
 
 
 def test_expert_map_routes_only_local_experts(device):
