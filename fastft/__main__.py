@@ -27,6 +27,35 @@ def _device(name: str | None) -> torch.device:
     return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+def _device_arg(name: str) -> str:
+    """argparse type of --device: a torch device that exists here."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"not a torch device: {name!r} ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{name}: this torch sees no CUDA device")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{name}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{name}: fastft's CLI runs on cpu or cuda devices")
+    return name
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def _versions() -> dict:
     try:
         import triton
@@ -59,7 +88,7 @@ def cmd_check(args) -> int:
     from fastft import testing
 
     device = _device(args.device)
-    max_tokens = args.max_tokens or (2048 if device.type == "cuda" else 96)
+    max_tokens = args.max_tokens if args.max_tokens is not None else (2048 if device.type == "cuda" else 96)
     g = torch.Generator().manual_seed(args.seed if args.seed is not None else int(time.time_ns() % 2**62))
     print(f"check on {_describe(device)}: triton vs torch, up to {max_tokens} tokens, {args.seconds}s, seed {g.initial_seed()}")
     runs = failures = 0
@@ -93,12 +122,13 @@ def _record(device, rows) -> dict:
 def cmd_bench_e2e(args, device) -> int:
     from fastft.bench import e2e
 
-    if device.type != "cuda" or args.quick:
-        print("  [tiny configs: the numbers are not representative of real models]")
+    print(e2e.describe(device, args.quick))
     records = e2e.run(device, args.quick, args.model)
     if not records:
         return 2
     print(e2e.format_table(records))
+    agree = e2e.loss_check(records)
+    print(agree[1])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(_record(device, records), f, indent=1)
@@ -106,7 +136,7 @@ def cmd_bench_e2e(args, device) -> int:
         png = os.path.splitext(args.json)[0] + ".png"
         if e2e.chart(records, png):
             print(f"wrote {png}")
-    return 0
+    return 0 if agree[0] else 1
 
 
 def cmd_bench(args) -> int:
@@ -156,31 +186,49 @@ def cmd_tune(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastft", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
+def _prog() -> str:
+    """The command as the user typed it: the ``fastft`` console script or ``python -m fastft``."""
+    return "fastft" if os.path.basename(sys.argv[0] or "") == "fastft" else "python -m fastft"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fastft.bench.e2e import MODELS
+
+    parser = argparse.ArgumentParser(prog=_prog(), description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{info,check,bench,tune}")
     p = sub.add_parser("info", help="device, versions, backend and autotune entry per op")
     p.set_defaults(fn=cmd_info)
     p = sub.add_parser("check", help="differential fuzz: triton vs torch on random inputs")
-    p.add_argument("--seconds", type=float, default=10.0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--seconds", type=_positive(float), default=10.0, help="how long to draw cases (default 10)")
+    p.add_argument("--seed", type=int, help="generator seed (default: drawn and printed)")
+    p.add_argument("--max-tokens", type=_positive(int), help="largest token count drawn (default 2048 on a GPU, 96 on a CPU)")
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("bench", help="baseline vs fastft, median times and ratios")
     p.add_argument("--quick", action="store_true", help="small sizes (always on without a GPU)")
-    p.add_argument("--json", help="also write the results to this file")
+    p.add_argument("--json", help="also write the results to this file (with --e2e, a PNG chart beside it)")
     p.add_argument("--e2e", action="store_true", help="end-to-end fine-tuning steps of transformers models (the main job)")
-    p.add_argument("--model", action="append", help="with --e2e: only these models (repeatable)")
-    p.set_defaults(fn=cmd_bench)
+    p.add_argument("--model", action="append", choices=list(MODELS), metavar="NAME",
+                   help="with --e2e: only this model (repeatable); one of " + ", ".join(MODELS))
+    p.set_defaults(fn=cmd_bench, usage_error=p.error)
     p = sub.add_parser("tune", help="measure launch parameters and rewrite autotune_cache/<arch>.json")
     p.set_defaults(fn=cmd_tune)
     for name in ("bench", "tune"):
         sub.choices[name].add_argument(
-            "--only", action="append", choices=["packing", "routing", "offload", "lora", "transformers"], help="only these op families (repeatable)"
+            "--only", action="append", choices=["packing", "routing", "offload", "lora", "transformers"],
+            help="only these op families (repeatable)",
         )
     for p in sub.choices.values():
-        p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+        p.add_argument("--device", type=_device_arg, help="torch device (default: cuda if available, else cpu)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.cmd == "bench" and not args.e2e and args.model:
+        args.usage_error("--model is taken with --e2e only")
+    if args.cmd == "bench" and args.e2e and args.only:
+        args.usage_error("--only selects op benchmarks; it is not taken with --e2e")
     return args.fn(args)
 
 

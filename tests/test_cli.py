@@ -1,11 +1,13 @@
 """python -m fastft info | check | bench, as a user runs them (on this machine's device)."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,13 +40,53 @@ def test_bench_quick_writes_json(tmp_path):
 
 
 def test_bench_e2e_runs_tiny_models(tmp_path):
-    import pytest
-
     pytest.importorskip("transformers")
     path = tmp_path / "e2e.json"
     out = run("bench", "--e2e", "--quick", "--model", "Qwen3-0.6B", "--json", str(path))
     assert out.returncode == 0, out.stdout + out.stderr
     rows = json.loads(path.read_text())["rows"]
     columns = {"naive glue", "stock sdpa", "fastft, peft lora", "fastft"} | ({"stock flex"} if torch.cuda.is_available() else set())
+    if importlib.util.find_spec("peft") is None:
+        columns.discard("fastft, peft lora")  # the same configuration as "fastft" without peft
+        assert "peft is not installed" in out.stdout
     assert {r["column"] for r in rows} == columns
     assert all(r["step_ms"] > 0 and r["model"] == "Qwen3-0.6B" for r in rows)
+    assert "loss check Qwen3-0.6B: relative difference to naive glue" in out.stdout and "FAILS" not in out.stdout
+    if not torch.cuda.is_available():
+        assert "not how fast it is" in out.stdout and "peak n/a" in out.stdout and "0.00 GiB" not in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("bench", "--e2e", "--model", "llama"), "invalid choice: 'llama' (choose from 'Llama-3.2-1B'"),
+        (("bench", "--model", "Qwen3-0.6B"), "--model is taken with --e2e only"),
+        (("check", "--max-tokens", "0"), "--max-tokens: must be > 0, got 0"),
+        (("check", "--max-tokens", "-3"), "--max-tokens: must be > 0, got -3"),
+        (("check", "--seconds", "x"), "--seconds: expected a float, got 'x'"),
+        (("info", "--device", "nonsense"), "--device: not a torch device: 'nonsense'"),
+    ],
+)
+def test_user_mistakes_are_usage_errors(args, message):
+    out = run(*args)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.startswith("usage: python -m fastft ")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a missing GPU")
+def test_cuda_device_without_gpu_is_a_usage_error():
+    out = run("info", "--device", "cuda")
+    assert out.returncode == 2 and "this torch sees no CUDA device" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_every_option_has_help():
+    import argparse
+
+    from fastft.__main__ import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in sub.choices.items():
+        for action in command._actions:
+            assert action.help, f"{name} {action.option_strings} has no help text"
+    assert "Llama-3.2-1B" in run("bench", "--help").stdout

@@ -19,6 +19,7 @@ Columns, one model build each, same weights and batch:
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 import types
@@ -126,10 +127,81 @@ def _build(name: str, column: str, device, tiny: bool):
     return model, lora
 
 
-def _step_ms(model, batch, steps: int, device) -> tuple[float, int]:
+def describe(device: torch.device, quick: bool) -> str:
+    """What the run measures, said before it starts."""
+    lora = _peft_installed()
+    lines = []
+    if device.type != "cuda" or quick:
+        lines.append(
+            f"e2e on {device.type}: tiny 2-layer configs of each model, 256 tokens, "
+            f"{'bf16' if device.type == 'cuda' else 'fp32'}; the step times show that each stack runs, not how "
+            "fast it is (tiny CPU steps vary by an order of magnitude between identical runs)"
+        )
+    else:
+        lines.append("e2e on the GPU: real-size configs (fewer layers for the large ones), bf16, 16k packed tokens")
+    if lora:
+        lines.append("LoRA r=16 on the attention (and dense MLP) projections through peft, AdamW")
+    else:
+        lines.append("peft is not installed: all weights train, so 'fastft, peft lora' would repeat 'fastft' and is "
+                     "skipped (pip install peft for the LoRA columns)")
+    if device.type != "cuda":
+        lines.append("'stock flex' needs a GPU and is skipped; no peak memory without one")
+        if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("FASTFT_BACKEND", "auto") != "torch":
+            lines.append("fastft columns run its Triton kernels in Triton's interpreter, slowly by design "
+                         "(FASTFT_BACKEND=torch runs its torch path)")
+    lines.append("each column starts from the same weights and batch: fastft's first-step losses must equal naive "
+                 "glue's (exit status 1 if not)")
+    return "\n".join("  " + line for line in lines)
+
+
+def _peft_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("peft") is not None
+
+
+def columns(device: torch.device) -> list[str]:
+    """The columns that run here (see the module docstring)."""
+    skip = set(GPU_ONLY) if device.type != "cuda" else set()
+    if not _peft_installed():
+        skip.add("fastft, peft lora")
+    return [c for c in COLUMNS if c not in skip]
+
+
+def loss_check(records: list[dict]) -> tuple[bool, str]:
+    """(fastft agrees, one line per model): each column's first-step loss on the same weights and batch
+    against ``naive glue`` (documents kept apart by a plain mask), within 1e-4 relative in fp32 and 2e-2 in
+    bf16 (attention kernels sum in other orders). A fastft column outside that fails the check; a stock
+    column outside it is reported (stock transformers lets documents attend to each other in some models)."""
+    ok, lines = True, []
+    for name in dict.fromkeys(r["model"] for r in records):
+        rows = {r["column"]: r for r in records if r["model"] == name and math.isfinite(r["loss"])}
+        base = rows.get("naive glue")
+        if base is None:
+            continue
+        tol = 2e-2 if base["dtype"] == "bfloat16" else 1e-4
+        parts = []
+        for column, r in rows.items():
+            if column == "naive glue":
+                continue
+            rel = abs(r["loss"] - base["loss"]) / max(abs(base["loss"]), 1e-6)
+            good = rel <= tol
+            if column.startswith("fastft"):
+                ok &= good
+                parts.append(f"{column} {rel:.1e}" + ("" if good else " FAILS"))
+            else:
+                parts.append(f"{column} {rel:.1e}" + ("" if good else " (differs: stock)"))
+        lines.append(f"loss check {name}: relative difference to naive glue ({base['loss']:.5f}, tolerance "
+                     f"{tol:g}): " + ", ".join(parts))
+    return ok, "\n".join(lines)
+
+
+def _step_ms(model, batch, steps: int, device) -> tuple[float, int, float]:
+    """(median step ms, peak bytes, first step's loss)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
     times = []
+    first_loss = float("nan")
     for i in range(steps + 2):
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -139,7 +211,10 @@ def _step_ms(model, batch, steps: int, device) -> tuple[float, int]:
         if start is not None:
             start.record()
         t0 = time.perf_counter()
-        model(**batch).loss.backward()
+        loss = model(**batch).loss
+        loss.backward()
+        if i == 0:
+            first_loss = loss.item()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if start is not None:
@@ -151,8 +226,8 @@ def _step_ms(model, batch, steps: int, device) -> tuple[float, int]:
             ms = (time.perf_counter() - t0) * 1000
         if i >= 2:
             times.append(ms)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    return statistics.median(times), peak
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else -1
+    return statistics.median(times), peak, first_loss
 
 
 def run(device: torch.device, quick: bool, models=None) -> list[dict]:
@@ -170,18 +245,20 @@ def run(device: torch.device, quick: bool, models=None) -> list[dict]:
         ids = torch.randint(0, 256 if tiny else 128000, (1, tokens), generator=torch.Generator().manual_seed(1))
         positions = torch.cat([torch.arange(n) for n in lengths])[None]
         batch = {"input_ids": ids.to(device), "labels": ids.to(device), "position_ids": positions.to(device)}
-        for column in COLUMNS:
-            if column in GPU_ONLY and device.type != "cuda":
-                continue
+        for column in columns(device):
             model, lora = _build(name, column, device, tiny)
+            dtype = next(model.parameters()).dtype
             try:
-                ms, peak = _step_ms(model, batch, 2 if tiny else 3, device)
+                ms, peak, loss = _step_ms(model, batch, 2 if tiny else 3, device)
             except torch.OutOfMemoryError:
-                ms, peak = float("nan"), -1
+                ms, peak, loss = float("nan"), -1, float("nan")
+            peak_gib = peak / 2**30 if peak >= 0 else None
             records.append({"model": name, "column": column, "step_ms": ms, "tokens_per_s": tokens / ms * 1000,
-                            "peak_gib": peak / 2**30, "tokens": tokens, "documents": len(lengths), "lora": lora,
-                            "layers": 2 if tiny else MODELS[name][2]})
-            print(f"{name:14s} {column:17s} {ms:9.1f} ms/step  {tokens / ms * 1000:9.0f} tok/s  peak {peak / 2**30:6.2f} GiB", flush=True)
+                            "peak_gib": peak_gib, "tokens": tokens, "documents": len(lengths), "lora": lora,
+                            "layers": 2 if tiny else MODELS[name][2], "loss": loss, "dtype": str(dtype).split(".")[-1]})
+            memory = f"peak {peak_gib:6.2f} GiB" if peak_gib is not None else "peak n/a (no GPU)"
+            print(f"{name:14s} {column:17s} {ms:9.1f} ms/step  {tokens / ms * 1000:9.0f} tok/s  {memory}  "
+                  f"loss {loss:.5f}", flush=True)
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -194,7 +271,9 @@ def format_table(records: list[dict]) -> str:
     for r in records:
         ours = by.get((r["model"], "fastft"))
         ratio = f"{r['step_ms'] / ours['step_ms']:.2f}x" if ours and r["column"] != "fastft" else "-"
-        lines.append(f"| {r['model']} | {r['layers']} | {r['tokens']} | {r['column']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.2f} | {ratio} |")
+        peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "n/a"
+        lines.append(f"| {r['model']} | {r['layers']} | {r['tokens']} | {r['column']} | {r['step_ms']:.1f} | "
+                     f"{r['tokens_per_s']:.0f} | {peak} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -42,7 +42,7 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         pos = documents(t, max(1, t // 512), device)
 
         def build():
-            info = packing._from_position_ids(pos, None, device, None)
+            info = packing._from_position_ids(pos, device, None)
             return info.cu_seqlens, info.max_seqlen
 
         assert torch.equal(build()[0], naive_boundaries(pos)[0])

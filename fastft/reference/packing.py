@@ -13,6 +13,7 @@ Rules (``fastft.packing`` documents them for users):
 
 from __future__ import annotations
 
+import einops
 import torch
 import torch.nn.functional as F
 
@@ -83,8 +84,7 @@ def block_mask_tables(doc_ids: torch.Tensor, window: int, block_size: int):
     t = doc_ids.shape[-1]
     pad = -t % block_size
     mask = F.pad(mask, (0, pad, 0, pad))
-    b, nb = mask.shape[0], (t + pad) // block_size
-    sums = mask.view(b, 1, nb, block_size, nb, block_size).sum(dim=(3, 5))
+    sums = einops.reduce(mask.int(), "b h (qb qs) (kb ks) -> b h qb kb", "sum", qs=block_size, ks=block_size)
     full = sums == block_size * block_size
     partial = (sums > 0) & ~full
     return (
