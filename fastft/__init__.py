@@ -12,6 +12,7 @@ if _ilu.find_spec(__name__ + ".kernels") is None:
     _spec.loader.exec_module(_mod)
 
 from . import copy, dispatch  # noqa: E402
+from .attention import packed_attention  # noqa: E402
 from .lora import lora_linear  # noqa: E402
 from .offload import OffloadConfig, offloaded_checkpoint  # noqa: E402
 from .packing import PackedSeqInfo, document_mask_mod, packed_seq_info  # noqa: E402
@@ -19,7 +20,7 @@ from .routing import MoERouting, moe_expert_rows, moe_permute, moe_route, moe_un
 
 __version__ = "0.1.0"
 __all__ = [
-    "PackedSeqInfo", "document_mask_mod", "packed_seq_info", "dispatch",
+    "PackedSeqInfo", "document_mask_mod", "packed_seq_info", "packed_attention", "dispatch",
     "MoERouting", "moe_route", "moe_permute", "moe_unpermute", "moe_expert_rows",
     "copy", "OffloadConfig", "offloaded_checkpoint", "lora_linear",
 ]

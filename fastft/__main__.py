@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import fastft  # noqa: E402
-from fastft import autotune, dispatch  # noqa: E402
+from fastft import autotune, capabilities, dispatch  # noqa: E402
 
 
 def _device(name: str | None) -> torch.device:
@@ -68,8 +68,8 @@ def _versions() -> dict:
 
 def _describe(device: torch.device) -> str:
     if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} ({dispatch.arch(device)})"
-    return f"{platform.processor() or platform.machine()} CPU" + (" (Triton interpreter)" if dispatch.interpreting() else "")
+        return f"{torch.cuda.get_device_name(device)} ({capabilities.arch(device)})"
+    return f"{platform.processor() or platform.machine()} CPU" + (" (Triton interpreter)" if capabilities.interpreting() else "")
 
 
 def cmd_info(args) -> int:
@@ -77,7 +77,7 @@ def cmd_info(args) -> int:
     print(f"device: {_describe(device)}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in _versions().items()))
     print(f"FASTFT_BACKEND={os.environ.get('FASTFT_BACKEND', 'auto')}  TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
-    print(f"autotune cache: {autotune.cache_path(dispatch.arch(device))}")
+    print(f"autotune cache: {autotune.cache_path(capabilities.arch(device))}")
     for op in sorted(dispatch.OPS):
         _, hit = autotune.lookup(op, device, 16384)
         print(f"  {op:28s} backend={dispatch.backend_for(op, device)}  autotune={'hit' if hit else 'defaults'}")
@@ -106,9 +106,10 @@ def cmd_check(args) -> int:
 
 
 def _bench_modules(names):
-    from fastft.bench import lora, offload, packing, routing, transformers
+    from fastft.bench import attention, lora, offload, packing, routing, transformers
 
-    modules = {"packing": packing, "routing": routing, "offload": offload, "lora": lora, "transformers": transformers}
+    modules = {"packing": packing, "routing": routing, "attention": attention, "offload": offload, "lora": lora,
+               "transformers": transformers}
     return {name: modules[name] for name in (names or modules)}
 
 
@@ -166,7 +167,7 @@ def cmd_tune(args) -> int:
         print("tune measures launch parameters on a GPU; no CUDA device here", file=sys.stderr)
         return 2
     results: dict = {}
-    path = autotune.cache_path(dispatch.arch(device))
+    path = autotune.cache_path(capabilities.arch(device))
     if args.only and path.exists():  # keep the other ops' measured entries
         results = json.loads(path.read_text()).get("ops", {})
     specs = {}
@@ -182,7 +183,7 @@ def cmd_tune(args) -> int:
             results[op][str(autotune.bucket(size))] = best
             print(f"{op:28s} size={size:8d} best {best} {best_ms:.4f} ms (of {len(candidates)})")
     meta = {"device": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(), "versions": _versions()}
-    print(f"wrote {autotune.write(dispatch.arch(device), results, meta)}")
+    print(f"wrote {autotune.write(capabilities.arch(device), results, meta)}")
     return 0
 
 
@@ -214,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_tune)
     for name in ("bench", "tune"):
         sub.choices[name].add_argument(
-            "--only", action="append", choices=["packing", "routing", "offload", "lora", "transformers"],
+            "--only", action="append", choices=["packing", "routing", "attention", "offload", "lora", "transformers"],
             help="only these op families (repeatable)",
         )
     for p in sub.choices.values():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from . import dispatch
+from . import capabilities
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -60,7 +60,7 @@ _memo: dict = {}  # (op, arch, bucket, cache folder override) -> lookup's answer
 
 def lookup(op: str, device: torch.device, size: int) -> tuple[dict, bool]:
     """(launch parameters, whether they came from the cache) for ``op`` at ``size`` on ``device``."""
-    key = (op, dispatch.arch(device), bucket(size), os.environ.get("FASTFT_AUTOTUNE_CACHE"))
+    key = (op, capabilities.arch(device), bucket(size), os.environ.get("FASTFT_AUTOTUNE_CACHE"))
     hit = _memo.get(key)
     if hit is None:
         hit = _memo[key] = _lookup(op, device, key[1], key[2])

@@ -11,60 +11,28 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import warnings
 
 import torch
 
+from .capabilities import TRITON_AVAILABLE, arch, interpreting
+
 BACKENDS = ("auto", "triton", "torch")
 
-# Architecture name -> family, for the CUDA capabilities fastft's kernels are built and tested for.
-ARCH_FAMILIES = {
-    "sm80": "ampere",
-    "sm86": "ampere",
-    "sm89": "ada",
-    "sm90": "hopper",
-    "sm100": "blackwell",
-    "sm103": "blackwell",
-    "sm120": "blackwell",
-}
+# CUDA architectures fastft's Triton kernels are built and tested for (Ampere, Ada, Hopper, Blackwell).
+TRITON_ARCHS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm103", "sm120")
 
 # op name -> architectures where its Triton path is the default. Every op registers here.
 OPS: dict[str, frozenset[str]] = {}
 
 
-def register(op: str, archs=tuple(ARCH_FAMILIES)) -> str:
+def register(op: str, archs=TRITON_ARCHS) -> str:
     OPS[op] = frozenset(archs)
     return op
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
-
-_arch_names: dict[int, str] = {}  # CUDA device index -> arch name (plain dicts: torch.compile traces them)
 _warned: set[str] = set()
-
-
-def _cuda_arch(index: int) -> str:
-    if index not in _arch_names:
-        if torch.version.hip is not None:
-            _arch_names[index] = "rocm:" + torch.cuda.get_device_properties(index).gcnArchName.split(":")[0]
-        else:
-            major, minor = torch.cuda.get_device_capability(index)
-            _arch_names[index] = f"sm{major}{minor}"
-    return _arch_names[index]
-
-
-def arch(device: torch.device | str | None = None) -> str:
-    """``"sm90"``-style name for a CUDA device, ``"rocm:<gfx>"`` for ROCm, else the device type."""
-    device = torch.device("cuda" if device is None and torch.cuda.is_available() else (device or "cpu"))
-    if device.type != "cuda":
-        return device.type
-    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _warn_unknown_arch(name: str) -> None:

@@ -21,7 +21,6 @@ read; device lengths / ``cu_seqlens`` -> one (they are validated on the host); l
 from __future__ import annotations
 
 import collections
-import inspect
 import numbers
 import os
 import weakref
@@ -30,7 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import autotune, dispatch
+from . import autotune, capabilities, dispatch
 from ._custom_op import custom_op
 from .reference import packing as reference
 
@@ -54,10 +53,12 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8) +
 
 
 # ---- custom ops (opaque to torch.compile), with fake impls that give the output shapes -----------------
+# The ``*_op`` functions are fastft's internal op layer: one kernel (or its reference) per call, on the
+# backend named by the caller, with no validation. Benchmarks and tests call them to time or check a kernel.
 
 
 @custom_op("fastft::packing_boundaries")
-def _boundaries_op(position_ids: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def boundaries_op(position_ids: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "torch":
         return reference.boundaries_from_position_ids(position_ids)
     from .kernels import packing as kernels
@@ -66,7 +67,7 @@ def _boundaries_op(position_ids: torch.Tensor, backend: str) -> tuple[torch.Tens
     return kernels.boundaries_from_position_ids(position_ids, **cfg)
 
 
-@_boundaries_op.register_fake
+@boundaries_op.register_fake
 def _(position_ids, backend):
     n = position_ids.numel()
     return (
@@ -78,7 +79,7 @@ def _(position_ids, backend):
 
 
 @custom_op("fastft::packing_from_cu_seqlens")
-def _from_cu_seqlens_op(cu_seqlens: torch.Tensor, num_tokens: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def from_cu_seqlens_op(cu_seqlens: torch.Tensor, num_tokens: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "torch" or num_tokens == 0:
         return reference.boundaries_from_cu_seqlens(cu_seqlens, num_tokens)
     from .kernels import packing as kernels
@@ -87,13 +88,13 @@ def _from_cu_seqlens_op(cu_seqlens: torch.Tensor, num_tokens: int, backend: str)
     return kernels.boundaries_from_cu_seqlens(cu_seqlens, num_tokens, **cfg)
 
 
-@_from_cu_seqlens_op.register_fake
+@from_cu_seqlens_op.register_fake
 def _(cu_seqlens, num_tokens, backend):
     return cu_seqlens.new_empty((num_tokens,), dtype=torch.int32), cu_seqlens.new_empty((num_tokens,), dtype=torch.int64)
 
 
 @custom_op("fastft::packing_sdpa_mask")
-def _sdpa_mask_op(doc_ids: torch.Tensor, window: int, dtype: torch.dtype, backend: str) -> torch.Tensor:
+def sdpa_mask_op(doc_ids: torch.Tensor, window: int, dtype: torch.dtype, backend: str) -> torch.Tensor:
     if backend == "torch" or doc_ids.numel() == 0:
         return reference.sdpa_mask(doc_ids, window, dtype)
     from .kernels import packing as kernels
@@ -102,14 +103,14 @@ def _sdpa_mask_op(doc_ids: torch.Tensor, window: int, dtype: torch.dtype, backen
     return kernels.sdpa_mask(doc_ids, window, dtype, **cfg)
 
 
-@_sdpa_mask_op.register_fake
+@sdpa_mask_op.register_fake
 def _(doc_ids, window, dtype, backend):
     b, t = doc_ids.shape
     return doc_ids.new_empty((b, 1, t, t), dtype=dtype)
 
 
 @custom_op("fastft::packing_block_tables")
-def _block_tables_op(doc_ids: torch.Tensor, window: int, block_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def block_tables_op(doc_ids: torch.Tensor, window: int, block_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(num [4, B, 1, nb], idx [4, B, 1, nb, nb]): the 8 tables; index 0-3 = kv partial, kv full, q partial,
     q full."""
     if backend == "torch":
@@ -121,7 +122,7 @@ def _block_tables_op(doc_ids: torch.Tensor, window: int, block_size: int, backen
     return kernels.block_mask_tables(doc_ids, window, block_size, **cfg)
 
 
-@_block_tables_op.register_fake
+@block_tables_op.register_fake
 def _(doc_ids, window, block_size, backend):
     b, t = doc_ids.shape
     nb = -(-t // block_size)
@@ -169,6 +170,11 @@ class PackedSeqInfo:
     def __setattr__(self, name, value):
         raise AttributeError("PackedSeqInfo is immutable")
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(B, T): the token layout, ``[B, T]`` position ids' shape, else ``(1, num_tokens)``."""
+        return tuple(self._shape)
+
     def __repr__(self):
         return (
             f"PackedSeqInfo(num_tokens={self.num_tokens}, shape={tuple(self._shape)}, device={self.device}, "
@@ -189,7 +195,7 @@ class PackedSeqInfo:
         if name not in self._memo:
             if name in ("doc_ids", "position_ids"):
                 backend = dispatch.backend_for(OP_FROM_CU_SEQLENS, self.device, self._backend)
-                doc, pos = _from_cu_seqlens_op(self._memo["cu_seqlens"], self.num_tokens, backend)
+                doc, pos = from_cu_seqlens_op(self._memo["cu_seqlens"], self.num_tokens, backend)
                 self._memo.update(doc_ids=doc, position_ids=pos)
             else:
                 self._host_boundaries()
@@ -218,7 +224,7 @@ class PackedSeqInfo:
         key = ("sdpa", w, dtype)
         if key not in self._memo:
             backend = dispatch.backend_for(OP_SDPA_MASK, self.device, self._backend)
-            self._memo[key] = _sdpa_mask_op(self._doc_rows(), w, dtype, backend)
+            self._memo[key] = sdpa_mask_op(self._doc_rows(), w, dtype, backend)
         return self._memo[key]
 
     def flex_block_mask(self, window: int | None = None, block_size: int = 128):
@@ -233,8 +239,8 @@ class PackedSeqInfo:
         if key not in self._memo:
             backend = dispatch.backend_for(OP_BLOCK_TABLES, self.device, self._backend)
             doc = self._doc_rows()
-            tables = _block_tables_op(doc, w, block_size, backend)
-            self._memo[key] = _make_block_mask(tables, doc, w, block_size)
+            tables = block_tables_op(doc, w, block_size, backend)
+            self._memo[key] = make_block_mask(tables, doc, w, block_size)
         return self._memo[key]
 
     def varlen_kwargs(self, window: int | None = None) -> dict:
@@ -272,20 +278,18 @@ def document_mask_mod(doc_ids: torch.Tensor, window: int | None = None):
     return mask_mod
 
 
-from torch.nn.attention.flex_attention import BlockMask  # noqa: E402
+def make_block_mask(tables, doc_ids, window, block_size):
+    """The ``BlockMask`` of ``block_tables_op``'s tables for ``[B, T]`` doc ids (torch >= 2.7 skips deriving
+    the q tables, which the kernel already wrote)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
-# torch >= 2.7 can skip deriving the q tables, which the kernel already wrote.
-_HAS_COMPUTE_Q_BLOCKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
-
-
-def _make_block_mask(tables, doc_ids, window, block_size):
     # One unbind per table stack: indexing the eight views one by one costs more host time than the kernel.
     kv_num, kv_full_num, q_num, q_full_num = tables[0].unbind(0)
     kv_idx, kv_full_idx, q_idx, q_full_idx = tables[1].unbind(0)
     t = doc_ids.shape[-1]
     kwargs = dict(BLOCK_SIZE=block_size, mask_mod=document_mask_mod(doc_ids, window), seq_lengths=(t, t))
     kv = (kv_num, kv_idx, kv_full_num, kv_full_idx)
-    if not _HAS_COMPUTE_Q_BLOCKS:
+    if not capabilities.block_mask_takes_q_tables():
         return BlockMask.from_kv_blocks(*kv, **kwargs)
     mask = BlockMask.from_kv_blocks(*kv, compute_q_blocks=False, **kwargs)
     mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices = q_num, q_idx, q_full_num, q_full_idx
@@ -370,7 +374,7 @@ def _from_host_cu(cu: torch.Tensor, num_tokens, max_seqlen, device, backend, arg
     return PackedSeqInfo(num_tokens=num_tokens, device=device, shape=(1, num_tokens), backend=backend, memo=memo)
 
 
-def _from_position_ids(position_ids: torch.Tensor, device, backend) -> PackedSeqInfo:
+def from_position_ids(position_ids: torch.Tensor, device, backend) -> PackedSeqInfo:
     n = position_ids.numel()
     pos = position_ids.detach().to(device)
     if pos.dtype not in (torch.int32, torch.int64):
@@ -385,7 +389,7 @@ def _from_position_ids(position_ids: torch.Tensor, device, backend) -> PackedSeq
             "position_ids": pos.new_empty(pos.shape, dtype=torch.int64),
         }
         return PackedSeqInfo(num_tokens=0, device=device, shape=shape, backend=backend, memo=memo)
-    doc, out_pos, starts, summary = _boundaries_op(pos, dispatch.backend_for(OP_BOUNDARIES, device, backend))
+    doc, out_pos, starts, summary = boundaries_op(pos, dispatch.backend_for(OP_BOUNDARIES, device, backend))
     memo = {"doc_ids": doc, "position_ids": out_pos}
     return PackedSeqInfo(
         num_tokens=n, device=device, shape=shape, backend=backend, memo=memo, pending=(starts, summary)
@@ -393,8 +397,9 @@ def _from_position_ids(position_ids: torch.Tensor, device, backend) -> PackedSeq
 
 
 def _validate(position_ids, seq_lengths, cu_seqlens, max_seqlen, num_tokens, device, backend):
-    """(source name, source value, memo identity) after every check that needs no GPU data. Runs on every
-    call, memo hit or not, so that whether a call is accepted never depends on earlier calls."""
+    """(source name, source value, its values as ints for a non-tensor source) after every check that needs
+    no GPU data. Runs on every call, memo hit or not, so that whether a call is accepted never depends on
+    earlier calls."""
     sources = {"position_ids": position_ids, "seq_lengths": seq_lengths, "cu_seqlens": cu_seqlens}
     given = [k for k, v in sources.items() if v is not None]
     if len(given) != 1:
@@ -425,7 +430,7 @@ def _validate(position_ids, seq_lengths, cu_seqlens, max_seqlen, num_tokens, dev
                 raise ValueError(f"position_ids has {n} tokens; cu_seqlens is int32, so at most {_INT32_MAX}")
         elif value.dim() != 1:
             raise ValueError(f"{arg} must be 1-D, got shape {tuple(value.shape)}")
-        return arg, value, (id(value), value._version)
+        return arg, value, None
     if arg == "position_ids":
         raise TypeError(f"position_ids must be a tensor, got {type(value).__name__}")
     return arg, value, _lengths_key(arg, value)
@@ -465,11 +470,14 @@ def packed_seq_info(
     a ``max_seqlen``/``num_tokens`` that is not a non-negative int, meta tensors; ``TypeError`` for
     non-tensor ``position_ids``.
     """
-    arg, value, ident = _validate(position_ids, seq_lengths, cu_seqlens, max_seqlen, num_tokens, device, backend)
+    arg, value, ints = _validate(position_ids, seq_lengths, cu_seqlens, max_seqlen, num_tokens, device, backend)
     max_seqlen, num_tokens = _int_or_none(max_seqlen), _int_or_none(num_tokens)  # numpy integers -> int
-    # Every layer after the first hits this memo: one dictionary lookup, no GPU sync.
-    memoize = not torch.compiler.is_compiling() and not (isinstance(value, torch.Tensor) and value.is_inference())
+    # Every layer after the first hits this memo: one dictionary lookup, no GPU sync. A tensor is keyed on its
+    # identity and version counter (inference tensors have none: not memoized).
+    tensor = isinstance(value, torch.Tensor)
+    memoize = not torch.compiler.is_compiling() and not (tensor and value.is_inference())
     if memoize:
+        ident = (id(value), value._version) if tensor else ints
         key = (arg, ident, max_seqlen, num_tokens, str(device), backend, os.environ.get("FASTFT_BACKEND"))
         hit = _cache.get(key)
         if hit is not None and (hit[0] is None or hit[0]() is value):
@@ -482,15 +490,15 @@ def packed_seq_info(
         device = torch.device("cuda", torch.cuda.current_device())
 
     if arg == "position_ids":
-        info = _from_position_ids(value, device, backend)
+        info = from_position_ids(value, device, backend)
     elif arg == "seq_lengths":
-        lengths = _host_ints("seq_lengths", value if isinstance(value, torch.Tensor) else ident)
+        lengths = _host_ints("seq_lengths", value if tensor else ints)
         if (lengths < 0).any():
             raise ValueError("seq_lengths must be non-negative")
         cu = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
         info = _from_host_cu(cu, num_tokens, None, device, backend, "seq_lengths")
     else:
-        cu = _host_ints("cu_seqlens", value if isinstance(value, torch.Tensor) else ident)
+        cu = _host_ints("cu_seqlens", value if tensor else ints)
         info = _from_host_cu(cu, num_tokens, max_seqlen, device, backend, "cu_seqlens")
 
     if memoize:

@@ -166,13 +166,16 @@ def test_padding_mask_and_flattening_collator():
             torch.testing.assert_close(packed, torch.cat(alone), atol=2e-5, rtol=1e-4)
 
 
-def test_packed_attention_errors():
+def test_packed_attention_errors_and_positional_arguments():
     with pytest.raises(TypeError, match="transformers PreTrainedModel"):
         ft_hf.apply(torch.nn.Linear(2, 2))
     model = ft_hf.apply(tiny("llama", torch.float32).cpu(), offload_checkpointing=False)
     ids = torch.randint(0, 128, (1, 6))
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1]])
+    with torch.no_grad():  # the model binds positional arguments before the decoder stack's hook sees them
+        torch.testing.assert_close(model(ids, mask).logits, model(input_ids=ids, attention_mask=mask).logits)
     with pytest.raises(ValueError, match="as keyword arguments"):
-        model(ids, torch.ones(1, 6))
+        model.model(ids, mask)
     with pytest.raises(ValueError, match="2D padding attention_mask"):
         model(input_ids=ids, attention_mask=torch.ones(1, 1, 6, 6))
 
@@ -195,29 +198,26 @@ def test_packed_llama_step_is_sync_free_with_collator_lengths():
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.gpu
-def test_varlen_path_runs_on_gpu():
-    if ft_hf._varlen() is None:
-        pytest.skip("this torch has no torch.nn.attention.varlen")
-    q = torch.randn(1, 4, 64, 16, device="cuda", dtype=torch.bfloat16)
-    k, v = torch.randn(2, 1, 2, 64, 16, device="cuda", dtype=torch.bfloat16)
-    positions = torch.cat([torch.arange(n) for n in (20, 44)])[None].cuda()
-    for window in (None, 8):
-        out = ft_hf._varlen_attention(q, k, v, fastft.packed_seq_info(position_ids=positions), 0.25, window)
-        if out is None:
-            assert window is not None, "varlen must run the plain causal case"
-            continue
-        ref, _ = ft_hf.attention_forward(torch.nn.Module(), q.float(), k.float(), v.float(), None, scaling=0.25,
-                                         sliding_window=window, position_ids=positions)
-        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-
-
-def test_one_seq_info_per_forward_for_broadcast_position_ids():
-    q = torch.zeros(3, 2, 10, 4)
-    positions = torch.arange(10)[None]  # what transformers passes for plain rows: [1, T]
-    first = ft_hf._seq_info(q, {"position_ids": positions})
-    assert ft_hf._seq_info(q, {"position_ids": positions}) is first  # every later layer: the memo
-    assert first.cu_seqlens.tolist() == [0, 10, 20, 30]
+@pytest.mark.parametrize("source", ["position_ids", "broadcast", "none", "cu_seq_lens"])
+def test_one_packed_seq_info_per_forward(source, monkeypatch):
+    """The decoder stack's hook builds the batch's PackedSeqInfo once; every layer reuses it."""
+    model = ft_hf.apply(tiny("llama", torch.float32).cpu(), offload_checkpointing=False)
+    built, seen = [], []
+    monkeypatch.setattr(ft_hf, "packed_seq_info", lambda **kw: built.append(fastft.packed_seq_info(**kw)) or built[-1])
+    attention = ft_hf.packed_attention
+    monkeypatch.setattr(ft_hf, "packed_attention", lambda *a, **k: seen.append(a[3]) or attention(*a, **k))
+    ids = torch.randint(0, 128, (3, 10))
+    kwargs = {
+        "position_ids": dict(position_ids=torch.arange(10).repeat(3, 1)),
+        "broadcast": dict(position_ids=torch.arange(10)[None]),  # [1, T] for a batch of plain rows
+        "none": {},
+        "cu_seq_lens": dict(cu_seq_lens_q=torch.tensor([0, 10, 20, 30]), cu_seq_lens_k=torch.tensor([0, 10, 20, 30]),
+                            max_length_q=10, max_length_k=10),
+    }[source]
+    with torch.no_grad():
+        model(input_ids=ids, **kwargs)
+    assert len(built) == 1 and len(seen) == model.config.num_hidden_layers and all(i is built[0] for i in seen)
+    assert built[0].cu_seqlens.tolist() == [0, 10, 20, 30]
 
 
 @pytest.mark.parametrize("apply_first", [True, False])
@@ -241,33 +241,3 @@ def test_peft_lora_keeps_documents_apart(apply_first):
     torch.testing.assert_close(padded[1], alone[1], atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("window", [None, 8])
-def test_sink_attention_matches_gpt_oss_eager_on_gpu(window):
-    from transformers.models.gpt_oss import modeling_gpt_oss
-
-    g = torch.Generator().manual_seed(4)
-    positions = torch.cat([torch.arange(n) for n in (1, 23, 9, 47)])[None].cuda()
-    info = fastft.packed_seq_info(position_ids=positions)
-    q = torch.randn(1, 8, 80, 64, generator=g).cuda()
-    k, v = torch.randn(2, 1, 2, 80, 64, generator=g).cuda()
-    sinks = torch.randn(8, generator=g).cuda()
-    grad = torch.randn(1, 80, 8, 64, generator=g).cuda()
-
-    def grads(fn, dtype):
-        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v, sinks)]
-        out = fn(*leaves)
-        out.backward(grad.to(dtype))
-        return [out.detach().float()] + [t.grad.float() for t in leaves]
-
-    module = torch.nn.Module().eval()
-    module.num_key_value_groups = 4
-
-    def eager(q_, k_, v_, s_):  # transformers' gpt-oss attention, fp32, with the fastft document mask
-        module.sinks = s_
-        return modeling_gpt_oss.eager_attention_forward(module, q_, k_, v_, info.sdpa_mask(window=window, dtype=torch.float32), 0.125)[0]
-
-    got = grads(lambda *t: ft_hf._sink_attention(*t[:3], t[3], info, 0.125, window), torch.bfloat16)
-    want = grads(eager, torch.float32)
-    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
-        torch.testing.assert_close(a, b, atol=2e-2 * float(b.abs().max()), rtol=2e-2, msg=name)

@@ -63,21 +63,24 @@ def sft_lengths(total: int, seed: int = 0, median: int = 380, max_len: int = 409
 
 def _naive_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
     """Packed attention the way per-layer glue does it: boundaries rebuilt in every layer, with syncs."""
-    from fastft.integrations import transformers as ft_hf
+    from fastft import attention
 
     flat = kwargs["position_ids"].reshape(-1)
     starts = (flat == 0).nonzero().flatten()  # sync
     cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).int()
-    info = types.SimpleNamespace(cu_seqlens=cu, max_seqlen=int((cu[1:] - cu[:-1]).max()))  # sync
+    max_seqlen = int((cu[1:] - cu[:-1]).max())  # sync
     window = int(sliding_window) if sliding_window else None
-    if getattr(module, "sinks", None) is None and not dropout:
-        out = ft_hf._varlen_attention(query, key, value, info, scaling, window)
-        if out is not None:
-            return out, None
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    sinks = getattr(module, "sinks", None)
+    if sinks is None and attention.flash_reason(q, k, None, dropout, window) is None:
+        b, t, h, d = q.shape
+        flat_qkv = (x.reshape(b * t, x.shape[2], d) for x in (q, k, v))
+        out = attention.flash_op(*flat_qkv, cu, max_seqlen, scaling or d**-0.5, window, None)
+        return out.view(b, t, h, d), None
     doc = torch.zeros_like(flat).index_fill_(0, starts[1:], 1).cumsum(0)
     q, k = torch.arange(flat.numel(), device=flat.device)[:, None], torch.arange(flat.numel(), device=flat.device)[None]
     ok = (doc[:, None] == doc[None]) & (k <= q) & ((q - k < window) if window else True)
-    if getattr(module, "sinks", None) is not None:
+    if sinks is not None:
         import sys
 
         mask = torch.zeros(ok.shape, dtype=query.dtype, device=ok.device).masked_fill(~ok, float("-inf"))[None, None]
@@ -101,7 +104,7 @@ def _build(name: str, column: str, device, tiny: bool):
     with torch.device(device):  # initialise on the device: minutes on a CPU for billions of weights
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = model.train()
-    moe = ft_hf._has_experts(model)
+    moe = ft_hf.has_experts(model)
     if column == "naive glue":
         transformers.AttentionInterface.register("naive_packed", _naive_attention)
         model.set_attn_implementation("naive_packed")

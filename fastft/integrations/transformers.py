@@ -18,26 +18,15 @@ transformers (5.x; tested with 5.17) is imported only by the functions here.
 
 from __future__ import annotations
 
-import functools
-import inspect
-import sys
-
 import torch
-import torch.nn.functional as F
 
+from .. import capabilities
+from ..attention import packed_attention
 from ..packing import packed_seq_info
 from ..routing import moe_expert_rows, moe_permute, moe_route, moe_unpermute
 
 EXPERTS_IMPLEMENTATION = "fastft"
 ATTENTION_IMPLEMENTATION = "fastft"
-
-
-def _grouped_mm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # torch._grouped_mm: CUDA bf16 with 16-byte aligned rows
-    return (
-        hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == weight.dtype == torch.bfloat16
-        and x.shape[-1] % 8 == 0 and weight.shape[-1] % 8 == 0 and weight.shape[-2] % 8 == 0
-    )
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -46,7 +35,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tr
     runs (CUDA bf16, aligned sizes; no host sync); otherwise one matmul per expert, which reads ``ends``
     on the host."""
     w = weight if transposed else weight.transpose(-2, -1)
-    if _grouped_mm_ok(x, weight):
+    if capabilities.grouped_mm(x, weight):
         return torch._grouped_mm(x, w, offs=ends)
     starts = [0] + ends.tolist()
     rows = [x[a:b] @ w[e] for e, (a, b) in enumerate(zip(starts, starts[1:]))]
@@ -88,7 +77,7 @@ def use_moe(model):
     the model."""
     if not hasattr(model, "set_experts_implementation"):
         raise TypeError(f"model must be a transformers PreTrainedModel with experts blocks, got {type(model).__name__}")
-    if not _has_experts(model):
+    if not has_experts(model):
         raise ValueError(f"{type(model).__name__} has no transformers experts blocks (use_experts_implementation) to route")
     register()
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
@@ -97,171 +86,75 @@ def use_moe(model):
 
 # ---- packed-sequence attention --------------------------------------------------------------------------
 
+PACKED_INFO_KWARG = "fastft_packed_info"  # the forward keyword that hands each layer the batch's PackedSeqInfo
 
-def _seq_info(query: torch.Tensor, kwargs: dict):
-    batch, _, tokens, _ = query.shape
+
+def _batch_info(batch: int, tokens: int, device, kwargs: dict):
+    """The ``PackedSeqInfo`` of a ``[batch, tokens]`` batch from the model call's keyword arguments."""
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
+    if cu is not None:  # flash kwargs of DataCollatorWithFlattening(return_flash_attn_kwargs=True)
         max_len = kwargs.get("max_length_q")
         return packed_seq_info(cu_seqlens=cu, max_seqlen=int(max_len) if max_len is not None else None,
-                               num_tokens=batch * tokens, device=query.device)
+                               num_tokens=batch * tokens, device=device)
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
-        return packed_seq_info(seq_lengths=[tokens] * batch, device=query.device)
-    if position_ids.shape[0] != batch:  # transformers passes [1, T] for a batch of plain rows
-        position_ids = _expanded(position_ids, batch)
-    return packed_seq_info(position_ids=position_ids)
-
-
-_expand_memo: list = []  # [(source, version, batch, expanded)]: the last [1, T] -> [B, T] expansion
-
-
-def _expanded(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
-    """``position_ids.expand(batch, -1)``, the same tensor object for every layer of a forward, so the
-    ``packed_seq_info`` memo (tensor identity and version) hits after the first layer."""
-    if position_ids.is_inference():
-        return position_ids.expand(batch, -1)
-    for source, version, b, expanded in _expand_memo:
-        if source is position_ids and version == position_ids._version and b == batch:
-            return expanded
-    expanded = position_ids.expand(batch, -1)
-    _expand_memo[:] = [(position_ids, position_ids._version, batch, expanded)]
-    return expanded
-
-
-@functools.cache
-def _varlen():
-    """(varlen_attn, its parameter names) from torch, or None."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
-
-
-def _varlen_attention(query, key, value, info, scaling, window):
-    """Flash variable-length attention over the flattened stream, or None where torch's cannot run it."""
-    found = _varlen()
-    if found is None or not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    fn, params = found
-    batch, heads, tokens, dim = query.shape
-    options = {"scale": scaling}
-    if "window_size" in params:
-        options["window_size"] = (window - 1 if window else -1, 0)  # (left, right): causal, window keys
-    elif window or "is_causal" not in params:
-        return None
-    else:
-        options["is_causal"] = True
-    if key.shape[1] != heads:
-        if "enable_gqa" in params:
-            options["enable_gqa"] = True
-        else:
-            key = key.repeat_interleave(heads // key.shape[1], 1)
-            value = value.repeat_interleave(heads // value.shape[1], 1)
-    q, k, v = (t.transpose(1, 2).reshape(batch * tokens, t.shape[1], dim) for t in (query, key, value))
-    cu = info.cu_seqlens
-    out = fn(q, k, v, cu, cu, info.max_seqlen, info.max_seqlen, **options)
-    return out.view(batch, tokens, heads, dim)
-
-
-@functools.cache
-def _flash_capable(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
-class _SinkAttention(torch.autograd.Function):
-    """Causal flash variable-length attention whose every softmax row also holds a per-head sink logit that
-    attends to nothing (gpt-oss's attention sinks), from torch's flash kernels: with ``lse`` a row's
-    log-sum-exp, the sink leaves ``keep = sigmoid(lse - sink)`` of the row's mass, so the output is
-    ``keep * flash_out``. Backward is flash's backward given ``keep * grad`` and the final output (its
-    ``rowsum(grad * out)`` term then carries the sink), and ``d sink = -sum((1 - keep) * rowsum(grad * out))``.
-    ``q``: ``[N, H, D]``, ``k``/``v``: ``[N, H_kv, D]``, ``sinks``: ``[H]``; ``left``: keys left of the query
-    in the window, -1 for none."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, cu_seqlens, max_seqlen, scale, left):
-        out, lse = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False,
-            scale=scale, window_size_left=left, window_size_right=0)[:2]
-        keep = torch.sigmoid(lse - sinks.float()[:, None]).T[:, :, None]  # [N, H, 1]
-        y = (out * keep).to(q.dtype)
-        ctx.save_for_backward(q, k, v, y, lse, keep, cu_seqlens)
-        ctx.args = (max_seqlen, scale, left, sinks.dtype)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        q, k, v, y, lse, keep, cu = ctx.saved_tensors
-        max_seqlen, scale, left, sinks_dtype = ctx.args
-        no_rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout is 0: no random state (as torch's varlen_attn)
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            (dy * keep).to(q.dtype), q, k, v, y, lse, cu, cu, max_seqlen, max_seqlen, 0.0, True, no_rng,
-            torch.empty(0, device=q.device), scale=scale, window_size_left=left, window_size_right=0)
-        dsinks = None
-        if ctx.needs_input_grad[3]:
-            dsinks = -((1 - keep[..., 0]) * (dy.float() * y.float()).sum(-1)).sum(0).to(sinks_dtype)
-        return dq, dk, dv, dsinks, None, None, None, None
-
-
-def _sink_attention(query, key, value, sinks, info, scaling, window):
-    """``_SinkAttention`` over the flattened stream, or None where torch's flash kernels cannot run it."""
-    batch, heads, tokens, dim = query.shape
-    if (not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16) or dim % 8 or dim > 256
-            or heads % key.shape[1] or not _flash_capable(query.device)):
-        return None
-    q, k, v = (t.transpose(1, 2).reshape(batch * tokens, t.shape[1], dim) for t in (query, key, value))
-    scale = scaling if scaling is not None else dim ** -0.5
-    out = _SinkAttention.apply(q, k, v, sinks, info.cu_seqlens, info.max_seqlen, scale, window - 1 if window else -1)
-    return out.view(batch, tokens, heads, dim)
+        return packed_seq_info(seq_lengths=[tokens] * batch, device=device)
+    if position_ids.dim() == 2 and position_ids.shape[0] != batch:  # [1, T] for a batch of plain rows
+        position_ids = position_ids.expand(batch, -1)
+    return packed_seq_info(position_ids=position_ids, device=device)
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
-    """transformers attention function ``"fastft"``: causal attention inside each document only.
+    """transformers attention function ``"fastft"``: ``fastft.packed_attention`` (causal attention inside
+    each document only) with the layer's window, scale, dropout and attention sinks (gpt-oss).
 
     ``query`` is ``[B, H, T, D]``, ``key``/``value`` ``[B, H_kv, T, D]``; returns (``[B, T, H, D]``, None).
-    Runs torch's flash variable-length attention where it can (CUDA, bf16/fp16, no dropout), else SDPA
-    with the fastft mask. Modules with attention sinks (gpt-oss) run ``_SinkAttention`` on flash kernels
-    where they can, else their own eager attention with the fastft mask.
+    The ``PackedSeqInfo`` comes from the decoder stack's pre-hook (built once per forward, see
+    ``use_packed_attention``), or from the layer's own ``position_ids`` / ``cu_seq_lens_q`` when the layer is
+    called without that hook.
     """
     if key.shape[2] != query.shape[2]:
         raise ValueError("fastft packed attention needs keys for exactly the query tokens (training or prefill, no KV cache)")
-    info = _seq_info(query, kwargs)
+    info = kwargs.get(PACKED_INFO_KWARG)
+    if info is None:
+        info = _batch_info(query.shape[0], query.shape[2], query.device, kwargs)
     window = int(sliding_window) if sliding_window else None
-    if getattr(module, "sinks", None) is not None:
-        out = None if dropout else _sink_attention(query, key, value, module.sinks, info, scaling, window)
-        if out is not None:
-            return out, None
-        eager = sys.modules[type(module).__module__].eager_attention_forward
-        mask = info.sdpa_mask(window=window, dtype=query.dtype)
-        return eager(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
-    if not dropout:
-        out = _varlen_attention(query, key, value, info, scaling, window)
-        if out is not None:
-            return out, None
-    mask = info.sdpa_mask(window=window, dtype=torch.bool)
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
-    )
-    return out.transpose(1, 2).contiguous(), None
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out = packed_attention(q, k, v, info, window=window, sinks=getattr(module, "sinks", None), scale=scaling,
+                           dropout_p=dropout)
+    return out, None
 
 
-def _padding_to_documents(module, args, kwargs):
-    """Forward pre-hook: a 2D ``attention_mask`` (padding) becomes position ids whose padding tokens are
-    one-token documents (no sync), since transformers passes no mask to a registered attention function."""
+def _prepare_packed_batch(module, args, kwargs):
+    """Forward pre-hook of the decoder stack, once per forward: a 2D ``attention_mask`` (padding) becomes
+    position ids whose padding tokens are one-token documents (no sync), since transformers passes no mask
+    to a registered attention function; then the batch's ``PackedSeqInfo`` is built once and handed to
+    every layer under ``PACKED_INFO_KWARG``."""
     if len(args) > 1:
         raise ValueError("with fastft packed attention, pass attention_mask and position_ids as keyword arguments")
     mask = kwargs.get("attention_mask")
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        raise ValueError("fastft packed attention takes a 2D padding attention_mask (or none), not a prepared mask")
-    keep = mask.bool()
-    positions = kwargs.get("position_ids")
-    if positions is None:
-        positions = keep.long().cumsum(-1) - 1
-    kwargs = {**kwargs, "attention_mask": None, "position_ids": torch.where(keep, positions, 0)}
-    return args, kwargs
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            raise ValueError("fastft packed attention takes a 2D padding attention_mask (or none), not a prepared mask")
+        keep = mask.bool()
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = keep.long().cumsum(-1) - 1
+        kwargs = {**kwargs, "attention_mask": None, "position_ids": torch.where(keep, positions, 0)}
+    ids = args[0] if args else kwargs.get("input_ids")
+    embeds = kwargs.get("inputs_embeds")
+    tokens = ids if ids is not None else embeds
+    if tokens is None or kwargs.get("past_key_values") is not None:
+        return args, kwargs  # nothing to describe, or generation with a cache: each layer decides
+    batch, length = tokens.shape[:2]
+    info = _batch_info(batch, length, tokens.device, kwargs)
+    return args, {**kwargs, PACKED_INFO_KWARG: info}
+
+
+def _decoder_stack(model):
+    """The transformers module whose forward takes ``input_ids``/``position_ids`` and calls the layers."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's wrapper
+    return getattr(inner, "base_model", inner)
 
 
 def use_packed_attention(model):
@@ -275,13 +168,15 @@ def use_packed_attention(model):
 
     AttentionInterface.register(ATTENTION_IMPLEMENTATION, attention_forward)
     model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
-    if not getattr(model, "_fastft_padding_hook", False):
-        model.register_forward_pre_hook(_padding_to_documents, with_kwargs=True)
-        model._fastft_padding_hook = True
+    stack = _decoder_stack(model)
+    if not getattr(stack, "_fastft_packed_hook", False):
+        stack.register_forward_pre_hook(_prepare_packed_batch, with_kwargs=True)
+        stack._fastft_packed_hook = True
     return model
 
 
-def _has_experts(model) -> bool:
+def has_experts(model) -> bool:
+    """Whether a transformers model holds experts blocks (``use_experts_implementation``)."""
     return any(hasattr(m, "down_proj") and hasattr(m, "has_gate") and hasattr(m, "is_transposed") for m in model.modules())
 
 
@@ -298,7 +193,7 @@ def apply(model, *, packing: bool = True, offload_checkpointing: bool = True, mo
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     if packing:
         use_packed_attention(model)
-    if moe and _has_experts(model):
+    if moe and has_experts(model):
         use_moe(model)
     if lora and ft_peft.has_lora(model):
         ft_peft.use_lora(model)
