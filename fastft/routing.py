@@ -35,24 +35,24 @@ OP_EXPERT_ROWS = dispatch.register("routing.expert_rows")
 # Launch parameters only; dispatched with the forward op. The row ops (permute, unpermute and the backwards)
 # look their parameters up by row width H, the rest by element count. Permute's backward is the unweighted
 # gather-sum (the kernel of moe_unpermute without weights), tuned apart from the weighted one.
-_PERMUTE_BACKWARD = "routing.permute_backward"
-_UNPERMUTE_BACKWARD = "routing.unpermute_backward"
-_EXPERT_ROWS_BACKWARD = "routing.expert_rows_backward"
+OP_PERMUTE_BACKWARD = "routing.permute_backward"
+OP_UNPERMUTE_BACKWARD = "routing.unpermute_backward"
+OP_EXPERT_ROWS_BACKWARD = "routing.expert_rows_backward"
 
 autotune.DEFAULTS.update({
     OP_ROUTE: {"BLOCK": 1024, "SLOT_BLOCK": 1024, "SCAN_E": 64, "num_warps": 8},
     OP_PERMUTE: {"ROWS": 2, "BLOCK_H": 1024, "PAD_ROWS": 256, "num_warps": 4},
     OP_UNPERMUTE: {"ROWS": 1, "BLOCK_H": 1024, "num_warps": 4},
-    _PERMUTE_BACKWARD: {"ROWS": 1, "BLOCK_H": 1024, "num_warps": 4},
-    _UNPERMUTE_BACKWARD: {"ROWS": 1, "BLOCK_H": 2048, "PAD_ROWS": 256, "num_warps": 4},
+    OP_PERMUTE_BACKWARD: {"ROWS": 1, "BLOCK_H": 1024, "num_warps": 4},
+    OP_UNPERMUTE_BACKWARD: {"ROWS": 1, "BLOCK_H": 2048, "PAD_ROWS": 256, "num_warps": 4},
     OP_EXPERT_ROWS: {"ROWS": 2, "BLOCK_H": 1024, "num_warps": 4},
-    _EXPERT_ROWS_BACKWARD: {"ROWS": 16, "BLOCK_H": 256, "num_warps": 4},
+    OP_EXPERT_ROWS_BACKWARD: {"ROWS": 16, "BLOCK_H": 256, "num_warps": 4},
 })
 _ROWS_CPU = {"ROWS": 64, "BLOCK_H": 32}
 autotune.INTERPRETER.update({
     OP_ROUTE: {"BLOCK": 64, "SLOT_BLOCK": 64},
-    OP_PERMUTE: {**_ROWS_CPU, "PAD_ROWS": 128}, _UNPERMUTE_BACKWARD: {**_ROWS_CPU, "PAD_ROWS": 128},
-    OP_UNPERMUTE: _ROWS_CPU, _PERMUTE_BACKWARD: _ROWS_CPU, OP_EXPERT_ROWS: _ROWS_CPU, _EXPERT_ROWS_BACKWARD: _ROWS_CPU,
+    OP_PERMUTE: {**_ROWS_CPU, "PAD_ROWS": 128}, OP_UNPERMUTE_BACKWARD: {**_ROWS_CPU, "PAD_ROWS": 128},
+    OP_UNPERMUTE: _ROWS_CPU, OP_PERMUTE_BACKWARD: _ROWS_CPU, OP_EXPERT_ROWS: _ROWS_CPU, OP_EXPERT_ROWS_BACKWARD: _ROWS_CPU,
 })
 
 _INT32_MAX = 2**31 - 1
@@ -79,7 +79,7 @@ def _layout(t: int, k: int, e: int, block_size: int) -> tuple[int, tuple[int, ..
     return cap, sizes, ends[:-1]
 
 
-def _route_buffer(t: int, k: int, e: int, block_size: int, device) -> tuple[torch.Tensor, tuple[int, ...], int]:
+def route_buffer(t: int, k: int, e: int, block_size: int, device) -> tuple[torch.Tensor, tuple[int, ...], int]:
     """An empty packed routing buffer, the element offsets of its pieces after counts (which is at 0), and
     the capacity."""
     cap, sizes, starts = _layout(t, k, e, block_size)
@@ -91,7 +91,7 @@ def _pack(pieces) -> torch.Tensor:
 
 
 @custom_op("fastft::moe_route")
-def _route_op(
+def route_op(
     topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map: Optional[torch.Tensor],
     num_local_experts: int, backend: str,
 ) -> torch.Tensor:
@@ -103,7 +103,7 @@ def _route_op(
             topk_ids, num_experts, block_size, expert_map, num_local_experts
         )
         return _pack([counts, offsets, padded, sorted_pair, expert_of_block, inverse])
-    packed, offsets, cap = _route_buffer(t, k, num_local_experts, block_size, topk_ids.device)
+    packed, offsets, cap = route_buffer(t, k, num_local_experts, block_size, topk_ids.device)
     cfg = autotune.params(OP_ROUTE, topk_ids.device, n)
     # Every scatter program reads the whole (blocks x experts) histogram; past 2**17 entries fewer, larger
     # blocks win (H100, E=1024, T*K=524288: 177 µs with 2048 pairs per block, 264 µs with 1024).
@@ -113,14 +113,14 @@ def _route_op(
     return packed
 
 
-@_route_op.register_fake
+@route_op.register_fake
 def _(topk_ids, num_experts, block_size, expert_map, num_local_experts, backend):
     t, k = topk_ids.shape
     return topk_ids.new_empty(sum(_layout(t, k, num_local_experts, block_size)[1]), dtype=torch.int32)
 
 
 @custom_op("fastft::moe_permute")
-def _permute_op(x: torch.Tensor, sorted_pair: torch.Tensor, inverse: torch.Tensor, backend: str) -> torch.Tensor:
+def permute_op(x: torch.Tensor, sorted_pair: torch.Tensor, inverse: torch.Tensor, backend: str) -> torch.Tensor:
     top_k = inverse.shape[1]
     if backend == "torch":
         return reference.permute(x, sorted_pair, top_k)
@@ -128,44 +128,44 @@ def _permute_op(x: torch.Tensor, sorted_pair: torch.Tensor, inverse: torch.Tenso
     return _kernels().permute(x, sorted_pair, inverse, **cfg)
 
 
-@_permute_op.register_fake
+@permute_op.register_fake
 def _(x, sorted_pair, inverse, backend):
     return x.new_empty((sorted_pair.shape[0], x.shape[1]))
 
 
 @custom_op("fastft::moe_unpermute")
-def _unpermute_op(
+def unpermute_op(
     ys: torch.Tensor, sorted_pair: torch.Tensor, inverse: torch.Tensor, weights: Optional[torch.Tensor], backend: str
 ) -> torch.Tensor:
     if backend == "torch":
         return reference.gather_sum(ys, inverse, weights)
-    cfg = autotune.params(OP_UNPERMUTE if weights is not None else _PERMUTE_BACKWARD, ys.device, ys.shape[1])
+    cfg = autotune.params(OP_UNPERMUTE if weights is not None else OP_PERMUTE_BACKWARD, ys.device, ys.shape[1])
     return _kernels().gather_sum(ys, inverse, weights, **cfg)
 
 
-@_unpermute_op.register_fake
+@unpermute_op.register_fake
 def _(ys, sorted_pair, inverse, weights, backend):
     return ys.new_empty((inverse.shape[0], ys.shape[1]))
 
 
 @custom_op("fastft::moe_unpermute_backward")
-def _unpermute_backward_op(
+def unpermute_backward_op(
     dy: torch.Tensor, ys: torch.Tensor, sorted_pair: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "torch":
         return reference.unpermute_backward(dy, ys, sorted_pair, weights.shape[1], weights)
-    cfg = autotune.params(_UNPERMUTE_BACKWARD, ys.device, ys.shape[1])
+    cfg = autotune.params(OP_UNPERMUTE_BACKWARD, ys.device, ys.shape[1])
     return _kernels().unpermute_backward(dy, ys, sorted_pair, inverse, weights, **cfg)
 
 
-@_unpermute_backward_op.register_fake
+@unpermute_backward_op.register_fake
 def _(dy, ys, sorted_pair, inverse, weights, backend):
     return torch.empty_like(ys), torch.empty_like(weights)
 
 
 @custom_op("fastft::moe_expert_rows")
-def _expert_rows_op(
+def expert_rows_op(
     table: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block: torch.Tensor, counts: torch.Tensor,
     padded_offsets: torch.Tensor, block_size: int, backend: str,
 ) -> torch.Tensor:
@@ -175,23 +175,23 @@ def _expert_rows_op(
     return _kernels().expert_rows(table, sorted_pair, expert_of_block, block_size, **cfg)
 
 
-@_expert_rows_op.register_fake
+@expert_rows_op.register_fake
 def _(table, sorted_pair, expert_of_block, counts, padded_offsets, block_size, backend):
     return table.new_empty((sorted_pair.shape[0], table.shape[1]))
 
 
 @custom_op("fastft::moe_expert_rows_backward")
-def _expert_rows_backward_op(
+def expert_rows_backward_op(
     dout: torch.Tensor, counts: torch.Tensor, padded_offsets: torch.Tensor, backend: str
 ) -> torch.Tensor:
     e = counts.shape[0]
     if backend == "torch" or dout.shape[0] == 0:
         return reference.expert_rows_backward(dout, counts, padded_offsets, e)
-    cfg = autotune.params(_EXPERT_ROWS_BACKWARD, dout.device, dout.numel())
+    cfg = autotune.params(OP_EXPERT_ROWS_BACKWARD, dout.device, dout.numel())
     return _kernels().expert_rows_backward(dout, counts, padded_offsets, e, **cfg)
 
 
-@_expert_rows_backward_op.register_fake
+@expert_rows_backward_op.register_fake
 def _(dout, counts, padded_offsets, backend):
     return dout.new_empty((counts.shape[0], dout.shape[1]))
 
@@ -210,7 +210,7 @@ def _permute_setup(ctx, inputs, output):
 
 def _permute_backward(ctx, grad):
     sorted_pair, inverse = ctx.saved_tensors
-    return _unpermute_op.op(grad.contiguous(), sorted_pair, inverse, None, ctx.backend), None, None, None
+    return unpermute_op.op(grad.contiguous(), sorted_pair, inverse, None, ctx.backend), None, None, None
 
 
 def _unpermute_setup(ctx, inputs, output):
@@ -223,8 +223,8 @@ def _unpermute_backward(ctx, grad):
     ys, sorted_pair, inverse, weights = ctx.saved_tensors
     grad = grad.contiguous()
     if weights is None:
-        return _permute_op.op(grad, sorted_pair, inverse, ctx.backend), None, None, None, None
-    dys, dweights = _unpermute_backward_op.op(grad, ys, sorted_pair, inverse, weights, ctx.backend)
+        return permute_op.op(grad, sorted_pair, inverse, ctx.backend), None, None, None, None
+    dys, dweights = unpermute_backward_op.op(grad, ys, sorted_pair, inverse, weights, ctx.backend)
     return dys, None, None, dweights, None
 
 
@@ -235,12 +235,12 @@ def _expert_rows_setup(ctx, inputs, output):
 
 def _expert_rows_backward(ctx, grad):
     counts, padded_offsets = ctx.saved_tensors
-    return _expert_rows_backward_op.op(grad.contiguous(), counts, padded_offsets, ctx.backend), *(None,) * 6
+    return expert_rows_backward_op.op(grad.contiguous(), counts, padded_offsets, ctx.backend), *(None,) * 6
 
 
-_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
-_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
-_expert_rows_op.register_autograd(_expert_rows_backward, setup_context=_expert_rows_setup)
+permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+expert_rows_op.register_autograd(_expert_rows_backward, setup_context=_expert_rows_setup)
 
 
 # ---- public API ---------------------------------------------------------------------------------------
@@ -354,7 +354,7 @@ def moe_route(
             f"{name}={num_local} with T*K={n} pairs implies {implied} int32 routing entries; at most {_INT32_MAX}"
         )
     chosen = dispatch.backend_for(OP_ROUTE, topk_ids.device, backend)
-    packed = _route_op(topk_ids.detach(), num_experts, block_size, expert_map, num_local, chosen)
+    packed = route_op(topk_ids.detach(), num_experts, block_size, expert_map, num_local, chosen)
     counts, offsets, padded, sorted_pair, expert_of_block, inverse = packed.split_with_sizes(sizes)
     _making.route = True
     try:
@@ -400,7 +400,7 @@ def moe_permute(x: torch.Tensor, routing: MoERouting, *, backend: str | None = N
     _check_rows("x", x, routing.num_tokens, "T", routing.device)
     _check_differentiable("x", x)
     chosen = dispatch.backend_for(OP_PERMUTE, x.device, backend if backend is not None else routing.backend)
-    return _permute_op(_unit_columns(x), routing.sorted_pair, routing.inverse, chosen)
+    return permute_op(_unit_columns(x), routing.sorted_pair, routing.inverse, chosen)
 
 
 def moe_unpermute(
@@ -427,7 +427,7 @@ def moe_unpermute(
             raise ValueError(f"weights is on {weights.device}, ys on {ys.device}")
         weights = weights.contiguous()
     chosen = dispatch.backend_for(OP_UNPERMUTE, ys.device, backend if backend is not None else routing.backend)
-    return _unpermute_op(_unit_columns(ys), routing.sorted_pair, routing.inverse, weights, chosen)
+    return unpermute_op(_unit_columns(ys), routing.sorted_pair, routing.inverse, weights, chosen)
 
 
 def moe_expert_rows(table: torch.Tensor, routing: MoERouting, *, backend: str | None = None) -> torch.Tensor:
@@ -438,7 +438,7 @@ def moe_expert_rows(table: torch.Tensor, routing: MoERouting, *, backend: str | 
     _check_rows("table", table, routing.num_local_experts, "num_local_experts", routing.device)
     _check_differentiable("table", table)
     chosen = dispatch.backend_for(OP_EXPERT_ROWS, table.device, backend if backend is not None else routing.backend)
-    return _expert_rows_op(
+    return expert_rows_op(
         _unit_columns(table), routing.sorted_pair, routing.expert_of_block, routing.counts,
         routing.padded_offsets, routing.block_size, chosen,
     )

@@ -23,7 +23,7 @@ def _doc_starts(pos_ptr, offs, n, row_len):
 
 
 @triton.jit
-def _max_combine(a, b):
+def max_combine(a, b):
     return tl.maximum(a, b)
 
 
@@ -62,7 +62,7 @@ def _boundary_write_kernel(
     valid = offs < n
     starts = _doc_starts(pos_ptr, offs, n, row_len)
     doc = docs_before + tl.cumsum(starts, axis=0) - 1
-    start_of_token = tl.maximum(tl.associative_scan(tl.where(starts != 0, offs, -1), 0, _max_combine), last_before)
+    start_of_token = tl.maximum(tl.associative_scan(tl.where(starts != 0, offs, -1), 0, max_combine), last_before)
     position = offs - start_of_token
     tl.store(doc_ptr + offs, doc, mask=valid)
     tl.store(out_pos_ptr + offs, position, mask=valid)

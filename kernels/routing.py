@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ._launch import cdiv, launch, next_power_of_2
-from .packing import _max_combine
+from .packing import max_combine
 
 
 @triton.jit(do_not_specialize=["n", "top_k", "stride_t", "stride_k", "num_experts", "num_local"])
@@ -55,7 +55,7 @@ def _route_sort_kernel(
     tl.debug_barrier()  # neighbours' experts and the zeroed row are visible to the whole program
     prev = tl.load(expert_ptr + p - 1, mask=j > 0, other=-1)
     nxt = tl.load(expert_ptr + p + 1, mask=j < BLOCK - 1, other=-1)
-    run_start = tl.associative_scan(tl.where(sorted_expert != prev, j, 0), 0, _max_combine)
+    run_start = tl.associative_scan(tl.where(sorted_expert != prev, j, 0), 0, max_combine)
     rank = j - run_start
     tl.store(rank_ptr + p, rank * BLOCK + pair_offset)
     run_end = (sorted_expert != nxt) & (sorted_expert < num_local)

@@ -34,7 +34,7 @@ print("argsort+bincount+cumsum", host(lambda: (ids.flatten().argsort(stable=True
 from fastft import packing
 doc = fastft.packed_seq_info(position_ids=torch.arange(32768, device="cuda") % 512).doc_ids.view(1, -1)
 print("flex_block_mask tables+BlockMask T=32768",
-      host(lambda: packing._make_block_mask(packing._block_tables_op(doc, 0, 128, "triton"), doc, 0, 128)))
-print("  tables op only", host(lambda: packing._block_tables_op(doc, 0, 128, "triton")))
+      host(lambda: packing.make_block_mask(packing.block_tables_op(doc, 0, 128, "triton"), doc, 0, 128)))
+print("  tables op only", host(lambda: packing.block_tables_op(doc, 0, 128, "triton")))
 from fastft.kernels._launch import launch
 print("fastft launch() of k1", host(lambda: launch(k1, (4,), x, 4096, BLOCK=1024)))

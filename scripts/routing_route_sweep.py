@@ -3,11 +3,11 @@ import torch
 from fastft import routing
 from fastft.bench.routing import router_ids
 from fastft.bench.common import graph_ms
-K = routing._kernels()
+from fastft.kernels import routing as K  # noqa: E402
 for (e, k) in [(128, 8), (256, 8), (32, 4)]:
     for t in (16384, 65536):
         ids = router_ids(t, e, k, "cuda")
-        out, offsets, cap = routing._route_buffer(t, k, e, 1, "cuda")
+        out, offsets, cap = routing.route_buffer(t, k, e, 1, "cuda")
         res = []
         for block in (1024, 2048, 4096):
             for scan_e in (64, 128):

@@ -53,7 +53,7 @@ def test_real_size_packed_step_matches_stock_and_documents_alone(name):
 
     model.set_attn_implementation("eager" if name.startswith("gpt-oss") else "sdpa")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if ft_hf._has_experts(model):
+    if ft_hf.has_experts(model):
         model.set_experts_implementation("eager")
     reference = step(stock=True)
     model.to(torch.bfloat16)

@@ -84,11 +84,11 @@ def test_no_tokens(device):
 
 @given(testing.position_ids_strategy(), testing.window_strategy(), st.sampled_from([16, 32, 128]))
 def test_triton_matches_torch_from_position_ids(device, position_ids, window, block_size):
-    from fastft.packing import _boundaries_op
+    from fastft.packing import boundaries_op
 
     source = {"position_ids": position_ids.to(device)}
     if position_ids.numel():
-        testing.differential(lambda backend: _boundaries_op(source["position_ids"].contiguous(), backend))
+        testing.differential(lambda backend: boundaries_op(source["position_ids"].contiguous(), backend))
     testing.differential(
         lambda backend: testing.packing_outputs(
             source, windows=(window,), block_sizes=(block_size,), mask_dtypes=(torch.bool, torch.float16), backend=backend
@@ -265,10 +265,10 @@ def test_custom_ops_pass_opcheck(device, backend):
     info = fastft.packed_seq_info(position_ids=pos, backend=backend)
     doc = info.doc_ids
     cases = [
-        (packing._boundaries_op, (pos, backend)),
-        (packing._from_cu_seqlens_op, (info.cu_seqlens, 80, backend)),
-        (packing._sdpa_mask_op, (doc, 5, torch.bfloat16, backend)),
-        (packing._block_tables_op, (doc, 0, 16, backend)),
+        (packing.boundaries_op, (pos, backend)),
+        (packing.from_cu_seqlens_op, (info.cu_seqlens, 80, backend)),
+        (packing.sdpa_mask_op, (doc, 5, torch.bfloat16, backend)),
+        (packing.block_tables_op, (doc, 0, 16, backend)),
     ]
     for fn, args in cases:
         torch.library.opcheck(fn.op, args)

@@ -291,13 +291,13 @@ def test_custom_ops_pass_opcheck(device, backend):
     w = torch.rand(12, 2, device=device, requires_grad=True)
     table = torch.randn(5, 3, device=device, requires_grad=True)
     cases = [
-        (routing._route_op, (ids, 5, 2, None, 5, backend)),
-        (routing._permute_op, (x, r.sorted_pair, r.inverse, backend)),
-        (routing._unpermute_op, (ys, r.sorted_pair, r.inverse, w, backend)),
-        (routing._unpermute_op, (ys, r.sorted_pair, r.inverse, None, backend)),
-        (routing._unpermute_backward_op, (x.detach(), ys.detach(), r.sorted_pair, r.inverse, w.detach(), backend)),
-        (routing._expert_rows_op, (table, r.sorted_pair, r.expert_of_block, r.counts, r.padded_offsets, 2, backend)),
-        (routing._expert_rows_backward_op, (ys.detach()[:, :3], r.counts, r.padded_offsets, backend)),
+        (routing.route_op, (ids, 5, 2, None, 5, backend)),
+        (routing.permute_op, (x, r.sorted_pair, r.inverse, backend)),
+        (routing.unpermute_op, (ys, r.sorted_pair, r.inverse, w, backend)),
+        (routing.unpermute_op, (ys, r.sorted_pair, r.inverse, None, backend)),
+        (routing.unpermute_backward_op, (x.detach(), ys.detach(), r.sorted_pair, r.inverse, w.detach(), backend)),
+        (routing.expert_rows_op, (table, r.sorted_pair, r.expert_of_block, r.counts, r.padded_offsets, 2, backend)),
+        (routing.expert_rows_backward_op, (ys.detach()[:, :3], r.counts, r.padded_offsets, backend)),
     ]
     for fn, args in cases:
         torch.library.opcheck(fn.op, args)

@@ -42,7 +42,7 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         pos = documents(t, max(1, t // 512), device)
 
         def build():
-            info = packing._from_position_ids(pos, device, None)
+            info = packing.from_position_ids(pos, device, None)
             return info.cu_seqlens, info.max_seqlen
 
         assert torch.equal(build()[0], naive_boundaries(pos)[0])
@@ -53,7 +53,7 @@ def run(device: torch.device, quick: bool) -> list[Row]:
     t = 512 if quick else 16384
     doc = fastft.packed_seq_info(position_ids=documents(t, 32, device)).doc_ids.view(1, t)
     for dtype in (torch.bool, torch.bfloat16):
-        ours = lambda: packing._sdpa_mask_op(doc, 0, dtype, backend)  # noqa: E731
+        ours = lambda: packing.sdpa_mask_op(doc, 0, dtype, backend)  # noqa: E731
         assert_same(ours(), reference.sdpa_mask(doc, 0, dtype))
         floor = write_bandwidth_ms(t * t * torch.empty((), dtype=dtype).element_size(), device)
         fast = time_ms(ours, device)
@@ -70,7 +70,7 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         mask_mod = packing.document_mask_mod(doc)
 
         def ours():
-            return packing._make_block_mask(packing._block_tables_op(doc, 0, 128, backend), doc, 0, 128)
+            return packing.make_block_mask(packing.block_tables_op(doc, 0, 128, backend), doc, 0, 128)
 
         def theirs(fn=compiled or create_block_mask):
             return fn(mask_mod, 1, 1, t, t, device=device, BLOCK_SIZE=128)

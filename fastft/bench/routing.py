@@ -91,7 +91,7 @@ def run(device: torch.device, quick: bool) -> list[Row]:
                             time_ms(lambda: x[r.sorted_pair.long() // top_k], device), fast, backend,
                             bw_note((t + n) * hidden * el, fast)))
             ys = torch.randn(r.capacity, hidden, device=device, dtype=torch.bfloat16)
-            fast = time_ms(lambda: routing._unpermute_op(ys, r.sorted_pair, r.inverse, None, backend), device)
+            fast = time_ms(lambda: routing.unpermute_op(ys, r.sorted_pair, r.inverse, None, backend), device)
             rows.append(Row("moe_permute backward", case, "index_add_ into dx",
                             time_ms(lambda: torch.zeros_like(x).index_add_(0, r.sorted_pair.long() // top_k, ys), device),
                             fast, backend, bw_note((n + t) * hidden * el, fast)))
@@ -105,7 +105,7 @@ def run(device: torch.device, quick: bool) -> list[Row]:
                             time_ms(lambda: index_add_combine(ys, r, w), device), fast, backend,
                             bw_note((n + t) * hidden * el, fast)))
             dy = torch.randn(t, hidden, device=device, dtype=torch.bfloat16)
-            fast = time_ms(lambda: routing._unpermute_backward_op(dy, ys, r.sorted_pair, r.inverse, w, backend), device)
+            fast = time_ms(lambda: routing.unpermute_backward_op(dy, ys, r.sorted_pair, r.inverse, w, backend), device)
             rows.append(Row("moe_unpermute backward", case, "torch reference",
                             time_ms(lambda: reference.unpermute_backward(dy, ys, r.sorted_pair, top_k, w), device),
                             fast, backend, bw_note((t + 2 * n) * hidden * el, fast)))
@@ -124,7 +124,7 @@ def tune_specs(device: torch.device):
 
     def route(n):
         ids = router_ids(n // 8, 128, 8, device)
-        out, offsets, cap = fastft.routing._route_buffer(n // 8, 8, 128, 1, device)
+        out, offsets, cap = fastft.routing.route_buffer(n // 8, 8, 128, 1, device)
         return lambda cfg: kernels.route(ids, 128, 1, None, 128, cap, out, offsets, **cfg)
 
     def rows_of(hidden, t=4096):
@@ -159,10 +159,10 @@ def tune_specs(device: torch.device):
         ),
         routing.OP_PERMUTE: (widths, _grid(ROWS=[1, 2, 4], BLOCK_H=[1024, 2048, 4096], PAD_ROWS=[256], num_warps=[4, 8]), permute),
         routing.OP_UNPERMUTE: (widths, _grid(ROWS=[1, 2, 4], BLOCK_H=[256, 512, 1024, 2048], num_warps=[4, 8]), gather_sum(True)),
-        routing._PERMUTE_BACKWARD: (
+        routing.OP_PERMUTE_BACKWARD: (
             widths, _grid(ROWS=[1, 2, 4], BLOCK_H=[256, 512, 1024, 2048], num_warps=[4, 8]), gather_sum(False),
         ),
-        routing._UNPERMUTE_BACKWARD: (
+        routing.OP_UNPERMUTE_BACKWARD: (
             widths, _grid(ROWS=[1, 2], BLOCK_H=[1024, 2048, 4096], PAD_ROWS=[256], num_warps=[4, 8]), unpermute_backward,
         ),
     }
