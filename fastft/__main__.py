@@ -106,10 +106,10 @@ def cmd_check(args) -> int:
 
 
 def _bench_modules(names):
-    from fastft.bench import attention, lora, offload, packing, routing, transformers
+    from fastft.bench import attention, copy, lora, offload, offloader, packing, routing, transformers
 
-    modules = {"packing": packing, "routing": routing, "attention": attention, "offload": offload, "lora": lora,
-               "transformers": transformers}
+    modules = {"packing": packing, "routing": routing, "attention": attention, "copy": copy, "offloader": offloader,
+               "offload": offload, "lora": lora, "transformers": transformers}
     return {name: modules[name] for name in (names or modules)}
 
 
@@ -170,13 +170,16 @@ def cmd_tune(args) -> int:
     path = autotune.cache_path(capabilities.arch(device))
     if args.only and path.exists():  # keep the other ops' measured entries
         results = json.loads(path.read_text()).get("ops", {})
-    specs = {}
+    launchers = {}
     for module in _bench_modules(args.only).values():
-        specs.update(module.tune_specs(device))
-    for op, (sizes, candidates, make) in specs.items():
+        launchers.update(getattr(module, "tune_launchers", lambda device: {})(device))
+    for op, tunable in autotune.TUNABLES.items():
+        if op not in launchers:
+            continue  # another family (--only), or nothing to tune (no grid)
         results[op] = {}
-        for size in sizes:
-            launch = make(size)
+        for size in tunable.sizes:
+            launch = launchers[op](size)
+            candidates = tunable.candidates()
             # CUDA-graph replays: the kernels' device time, not the host's launch cost
             timed = [(common.graph_ms(lambda: launch(cfg), rep_ms=50), cfg) for cfg in candidates]
             best_ms, best = min(timed, key=lambda x: x[0])
@@ -190,6 +193,9 @@ def cmd_tune(args) -> int:
 def _prog() -> str:
     """The command as the user typed it: the ``fastft`` console script or ``python -m fastft``."""
     return "fastft" if os.path.basename(sys.argv[0] or "") == "fastft" else "python -m fastft"
+
+
+BENCH_FAMILIES = ("packing", "routing", "attention", "copy", "offloader", "offload", "lora", "transformers")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_tune)
     for name in ("bench", "tune"):
         sub.choices[name].add_argument(
-            "--only", action="append", choices=["packing", "routing", "attention", "offload", "lora", "transformers"],
+            "--only", action="append", choices=list(BENCH_FAMILIES),
             help="only these op families (repeatable)",
         )
     for p in sub.choices.values():

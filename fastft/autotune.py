@@ -6,13 +6,16 @@ File layout::
      "ops": {"packing.sdpa_mask": {"16384": {"BLOCK_Q": 32, "BLOCK_K": 256, "num_warps": 4}, ...}}}
 
 A bucket is the size rounded up to a power of two. ``lookup`` takes the entry of the size's bucket, else
-of the nearest bucket of that op, else the caller's defaults. ``python -m fastft tune`` rewrites the file
-for the present GPU. ``FASTFT_AUTOTUNE_CACHE`` names another folder.
+of the nearest bucket of that op, else the op's defaults. Each op module registers its ``Tunable`` here
+(defaults, the sizes to measure, the candidate grid) beside the op; ``python -m fastft tune`` iterates
+``TUNABLES`` and rewrites the file for the present GPU. ``FASTFT_AUTOTUNE_CACHE`` names another folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -24,11 +27,30 @@ from . import capabilities
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
-# op -> launch parameters used when the cache has no entry; each op module fills in its own.
-DEFAULTS: dict[str, dict] = {}
-# op -> overrides of DEFAULTS for the Triton interpreter on CPU (tests): small tiles, so that small inputs
-# still span several programs, and few enough programs to run quickly.
-INTERPRETER: dict[str, dict] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tunable:
+    """One kernel's launch parameters: what it runs with and what ``tune`` tries."""
+
+    defaults: dict  # launch parameters when the cache has no entry
+    sizes: tuple = ()  # sizes (the lookup key: elements, or row width for row ops) that tune measures
+    grid: dict = dataclasses.field(default_factory=dict)  # parameter -> candidate values (tune tries all)
+    # overrides of ``defaults`` in Triton's interpreter on CPU (tests): small tiles, so that small inputs
+    # still span several programs, and few enough programs to run quickly
+    interpreter: dict = dataclasses.field(default_factory=dict)
+
+    def candidates(self) -> list[dict]:
+        keys = list(self.grid)
+        return [dict(zip(keys, values)) for values in itertools.product(*self.grid.values())]
+
+
+TUNABLES: dict[str, Tunable] = {}  # op -> its Tunable; each op module registers its own
+
+
+def register(op: str, tunable: Tunable) -> str:
+    TUNABLES[op] = tunable
+    return op
 
 
 def cache_dir() -> Path:
@@ -73,9 +95,9 @@ def params(op: str, device: torch.device, size: int) -> dict:
 
 
 def _lookup(op: str, device: torch.device, arch: str, want: int) -> tuple[dict, bool]:
-    defaults = DEFAULTS[op]
+    defaults = TUNABLES[op].defaults
     if device.type == "cpu":
-        defaults = {**defaults, **INTERPRETER.get(op, {})}
+        defaults = {**defaults, **TUNABLES[op].interpreter}
     entries = _load(str(cache_path(arch))).get(op)
     if not entries:
         return dict(defaults), False

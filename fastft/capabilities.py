@@ -53,12 +53,15 @@ def varlen_attn():
     return varlen_attn
 
 
-@functools.cache
-def block_mask_takes_q_tables() -> bool:
-    """Whether ``BlockMask.from_kv_blocks`` can skip deriving the q tables (torch >= 2.7)."""
+def _block_mask_takes_q_tables() -> bool:
     from torch.nn.attention.flex_attention import BlockMask
 
     return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+
+
+# Whether ``BlockMask.from_kv_blocks`` can skip deriving the q tables (torch >= 2.7). A constant, so that
+# torch.compile traces code that reads it without a cache wrapper.
+BLOCK_MASK_TAKES_Q_TABLES = _block_mask_takes_q_tables()
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -19,14 +19,13 @@ a GPU that shares memory with the host.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import weakref
 
 import torch
 import torch.utils.checkpoint
 
-from .copy import Offloader
+from .offloader import Offloader
 
 _CHOICES = ("auto", True, False)
 _DEFAULT_MIN_BYTES = 1 << 20
@@ -112,24 +111,19 @@ def offloader_for(x, config: OffloadConfig | None = None) -> Offloader | None:
 
 
 class _SavedInput:
-    """What the saved-tensor hook keeps for the offloaded input: its host copy and, for the prefetch, the
-    previous checkpoint's (forward order) on the same Offloader."""
-
-    _last: dict = {}  # Offloader -> weakref to the newest _SavedInput
+    """What the saved-tensor hook keeps for the offloaded input: its host copy on its Offloader."""
 
     def __init__(self, x: torch.Tensor, offloader: Offloader) -> None:
         self.offloader = offloader
         self.host = offloader.offload(x)
-        self.prev = _SavedInput._last.get(offloader)
-        _SavedInput._last[offloader] = weakref.ref(self)
 
     def unpack(self) -> torch.Tensor:
         off = self.offloader
         off.release_finished()
         x = off.reload(self.host).wait()
-        prev = self.prev() if self.prev is not None else None
+        prev = self.host.previous()  # the previous checkpoint's input in forward order: backward's next
         if off.num_buffers > 1 and prev is not None:
-            off.reload(prev.host)  # prefetch into the other buffer while this layer recomputes
+            off.reload(prev)  # prefetch into the other buffer while this layer recomputes
         return x
 
 
@@ -176,26 +170,6 @@ def offloaded_checkpoint(
 
 
 def gradient_checkpointing_func(function, *args, **kwargs):
-    """``offloaded_checkpoint`` with the default (environment) configuration, as a Hugging Face model's
-    checkpoint function; see ``enable_gradient_checkpointing``."""
+    """``offloaded_checkpoint`` with the default (environment) configuration, as a framework's checkpoint
+    function (``fastft.integrations.transformers.enable_gradient_checkpointing`` sets it on a model)."""
     return offloaded_checkpoint(function, *args, **kwargs)
-
-
-def enable_gradient_checkpointing(model, config: OffloadConfig | None = None, **config_fields):
-    """Turn on a transformers model's gradient checkpointing with offloaded checkpoints; returns the model.
-
-    ``fastft.offload.enable_gradient_checkpointing(model)`` is ``model.gradient_checkpointing_enable()``
-    (which also makes PEFT's frozen inputs require grad) with ``gradient_checkpointing_func`` as the
-    checkpoint function. ``config`` or ``OffloadConfig`` fields as keywords configure it.
-    """
-    if config is not None and config_fields:
-        raise ValueError("give either config or OffloadConfig fields as keywords, not both")
-    if config is not None and not isinstance(config, OffloadConfig):
-        raise TypeError(f"config must be a fastft.OffloadConfig or None, got {type(config).__name__}")
-    config = config or OffloadConfig(**config_fields)
-    if not hasattr(model, "gradient_checkpointing_enable") or not hasattr(model, "_set_gradient_checkpointing"):
-        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    func = gradient_checkpointing_func if config == OffloadConfig() else functools.partial(offloaded_checkpoint, offload_config=config)
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
-    return model

@@ -38,12 +38,13 @@ OP_FROM_CU_SEQLENS = dispatch.register("packing.from_cu_seqlens")
 OP_SDPA_MASK = dispatch.register("packing.sdpa_mask")
 OP_BLOCK_TABLES = dispatch.register("packing.block_tables")
 
-autotune.DEFAULTS.update({
-    OP_BOUNDARIES: {"BLOCK": 1024, "num_warps": 4},
-    OP_FROM_CU_SEQLENS: {"BLOCK": 1024, "num_warps": 4},
-    OP_SDPA_MASK: {"BLOCK_Q": 32, "BLOCK_K": 256, "num_warps": 4},
-    OP_BLOCK_TABLES: {"num_warps": 4},
-})
+autotune.register(OP_BOUNDARIES, autotune.Tunable({"BLOCK": 1024, "num_warps": 4}, (16384, 131072, 1048576),
+                                   {"BLOCK": [512, 1024, 2048, 4096], "num_warps": [4, 8]}))
+autotune.register(OP_FROM_CU_SEQLENS, autotune.Tunable({"BLOCK": 1024, "num_warps": 4}, (16384, 131072, 1048576),
+                                        {"BLOCK": [256, 512, 1024, 2048], "num_warps": [2, 4, 8]}))
+autotune.register(OP_SDPA_MASK, autotune.Tunable({"BLOCK_Q": 32, "BLOCK_K": 256, "num_warps": 4}, (4096, 16384),
+                                  {"BLOCK_Q": [8, 16, 32, 64], "BLOCK_K": [128, 256, 512], "num_warps": [4, 8]}))
+autotune.register(OP_BLOCK_TABLES, autotune.Tunable({"num_warps": 4}, (32768, 131072), {"num_warps": [1, 2, 4, 8]}))
 
 _INT32_MAX = 2**31 - 1
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8) + tuple(
@@ -289,7 +290,7 @@ def make_block_mask(tables, doc_ids, window, block_size):
     t = doc_ids.shape[-1]
     kwargs = dict(BLOCK_SIZE=block_size, mask_mod=document_mask_mod(doc_ids, window), seq_lengths=(t, t))
     kv = (kv_num, kv_idx, kv_full_num, kv_full_idx)
-    if not capabilities.block_mask_takes_q_tables():
+    if not capabilities.BLOCK_MASK_TAKES_Q_TABLES:
         return BlockMask.from_kv_blocks(*kv, **kwargs)
     mask = BlockMask.from_kv_blocks(*kv, compute_q_blocks=False, **kwargs)
     mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices = q_num, q_idx, q_full_num, q_full_idx

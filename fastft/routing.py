@@ -39,21 +39,33 @@ OP_PERMUTE_BACKWARD = "routing.permute_backward"
 OP_UNPERMUTE_BACKWARD = "routing.unpermute_backward"
 OP_EXPERT_ROWS_BACKWARD = "routing.expert_rows_backward"
 
-autotune.DEFAULTS.update({
-    OP_ROUTE: {"BLOCK": 1024, "SLOT_BLOCK": 1024, "SCAN_E": 64, "num_warps": 8},
-    OP_PERMUTE: {"ROWS": 2, "BLOCK_H": 1024, "PAD_ROWS": 256, "num_warps": 4},
-    OP_UNPERMUTE: {"ROWS": 1, "BLOCK_H": 1024, "num_warps": 4},
-    OP_PERMUTE_BACKWARD: {"ROWS": 1, "BLOCK_H": 1024, "num_warps": 4},
-    OP_UNPERMUTE_BACKWARD: {"ROWS": 1, "BLOCK_H": 2048, "PAD_ROWS": 256, "num_warps": 4},
-    OP_EXPERT_ROWS: {"ROWS": 2, "BLOCK_H": 1024, "num_warps": 4},
-    OP_EXPERT_ROWS_BACKWARD: {"ROWS": 16, "BLOCK_H": 256, "num_warps": 4},
-})
+_WIDTHS = (2048, 2880, 7168)  # row widths tuned: Qwen3-30B-A3B, gpt-oss, DeepSeek-V3
 _ROWS_CPU = {"ROWS": 64, "BLOCK_H": 32}
-autotune.INTERPRETER.update({
-    OP_ROUTE: {"BLOCK": 64, "SLOT_BLOCK": 64},
-    OP_PERMUTE: {**_ROWS_CPU, "PAD_ROWS": 128}, OP_UNPERMUTE_BACKWARD: {**_ROWS_CPU, "PAD_ROWS": 128},
-    OP_UNPERMUTE: _ROWS_CPU, OP_PERMUTE_BACKWARD: _ROWS_CPU, OP_EXPERT_ROWS: _ROWS_CPU, OP_EXPERT_ROWS_BACKWARD: _ROWS_CPU,
-})
+autotune.register(OP_ROUTE, autotune.Tunable(
+    {"BLOCK": 1024, "SLOT_BLOCK": 1024, "SCAN_E": 64, "num_warps": 8}, (32768, 131072, 524288),
+    {"BLOCK": [512, 1024, 2048], "SLOT_BLOCK": [1024, 4096], "SCAN_E": [64, 128], "num_warps": [4, 8]},
+    {"BLOCK": 64, "SLOT_BLOCK": 64},
+))
+autotune.register(OP_PERMUTE, autotune.Tunable(
+    {"ROWS": 2, "BLOCK_H": 1024, "PAD_ROWS": 256, "num_warps": 4}, _WIDTHS,
+    {"ROWS": [1, 2, 4], "BLOCK_H": [1024, 2048, 4096], "PAD_ROWS": [256], "num_warps": [4, 8]},
+    {**_ROWS_CPU, "PAD_ROWS": 128},
+))
+autotune.register(OP_UNPERMUTE, autotune.Tunable(
+    {"ROWS": 1, "BLOCK_H": 1024, "num_warps": 4}, _WIDTHS,
+    {"ROWS": [1, 2, 4], "BLOCK_H": [256, 512, 1024, 2048], "num_warps": [4, 8]}, _ROWS_CPU,
+))
+autotune.register(OP_PERMUTE_BACKWARD, autotune.Tunable(
+    {"ROWS": 1, "BLOCK_H": 1024, "num_warps": 4}, _WIDTHS,
+    {"ROWS": [1, 2, 4], "BLOCK_H": [256, 512, 1024, 2048], "num_warps": [4, 8]}, _ROWS_CPU,
+))
+autotune.register(OP_UNPERMUTE_BACKWARD, autotune.Tunable(
+    {"ROWS": 1, "BLOCK_H": 2048, "PAD_ROWS": 256, "num_warps": 4}, _WIDTHS,
+    {"ROWS": [1, 2], "BLOCK_H": [1024, 2048, 4096], "PAD_ROWS": [256], "num_warps": [4, 8]},
+    {**_ROWS_CPU, "PAD_ROWS": 128},
+))
+autotune.register(OP_EXPERT_ROWS, autotune.Tunable({"ROWS": 2, "BLOCK_H": 1024, "num_warps": 4}, interpreter=_ROWS_CPU))
+autotune.register(OP_EXPERT_ROWS_BACKWARD, autotune.Tunable({"ROWS": 16, "BLOCK_H": 256, "num_warps": 4}, interpreter=_ROWS_CPU))
 
 _INT32_MAX = 2**31 - 1
 

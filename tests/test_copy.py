@@ -86,3 +86,21 @@ def test_bad_input():
         copy.unpack(buf, layout, out=[torch.zeros(1).expand(4)])
     with pytest.raises(ValueError, match="out has 2 tensors"):
         copy.unpack(buf, layout, out=[t, t])
+
+
+@pytest.mark.gpu
+def test_pack_unpack_random_cases_on_gpu():
+    g = torch.Generator().manual_seed(torch.seed() % 2**63)
+    for _ in range(200):
+        testing.check_copy_case(testing.random_copy_case(g, "cuda", 1 << 16))
+
+
+@pytest.mark.gpu
+def test_pack_past_2_to_31_elements():
+    base = torch.randint(-128, 127, (2**16 + 1, 2**15 + 3), dtype=torch.int8, device="cuda")
+    view = base[:, 1:-2]  # 2**31 + 2**15 elements, rows with gaps
+    buf, layout = copy.pack([view])
+    assert layout.nbytes > 2**31
+    assert torch.equal(buf.view(torch.int8).view(view.shape), view)
+    (out,) = copy.unpack(buf, layout)
+    assert out.stride() == view.stride() and torch.equal(out, view)

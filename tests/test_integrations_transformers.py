@@ -166,6 +166,17 @@ def test_padding_mask_and_flattening_collator():
             torch.testing.assert_close(packed, torch.cat(alone), atol=2e-5, rtol=1e-4)
 
 
+def test_enable_gradient_checkpointing_errors():
+    with pytest.raises(TypeError, match="transformers PreTrainedModel"):
+        ft_hf.enable_gradient_checkpointing(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="either config or"):
+        ft_hf.enable_gradient_checkpointing(torch.nn.Linear(2, 2), fastft.OffloadConfig(), min_bytes=0)
+    with pytest.raises(TypeError, match="config must be a fastft.OffloadConfig"):
+        ft_hf.enable_gradient_checkpointing(torch.nn.Linear(2, 2), "auto")
+    model = ft_hf.enable_gradient_checkpointing(tiny("llama", torch.float32).cpu(), min_bytes=0)
+    assert model.is_gradient_checkpointing
+
+
 def test_packed_attention_errors_and_positional_arguments():
     with pytest.raises(TypeError, match="transformers PreTrainedModel"):
         ft_hf.apply(torch.nn.Linear(2, 2))

@@ -1,4 +1,4 @@
-"""Offloaded checkpointing and fastft.copy on a CUDA GPU: bit-identical gradients, semantics, races, memory."""
+"""Offloaded checkpointing on a CUDA GPU: bit-identical gradients, semantics, races, memory."""
 
 import random
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import fastft
-from fastft import copy, offload, testing
+from fastft import offload
 
 pytestmark = pytest.mark.gpu
 
@@ -189,44 +189,6 @@ def test_peak_memory_saves_the_layer_inputs():
     assert offloaded <= plain - (8 - 3) * size, (plain / 2**20, offloaded / 2**20, size / 2**20)
 
 
-def test_offloader_round_trip_and_prefetch():
-    off = copy.Offloader("cuda", num_buffers=2)
-    a = torch.randn(1000, 33, device="cuda")
-    b = torch.randn(64, 100, device="cuda").t()  # dense, permuted: strides kept
-    c = torch.randn(50, 80, device="cuda")[:, ::3]  # gapped: packed, strides kept
-    saved = [off.offload(t) for t in (a, b, c)]
-    first = off.reload(saved[2]).wait()  # the newest is still on the GPU: handed out once, no copy
-    assert first is not c and first.data_ptr() == c.data_ptr() and off.stats["kept_on_device"] == 1
-    for t, s in zip((a, b, c), saved):
-        r = off.reload(s)
-        assert off.reload(s) is r  # already issued, not overwritten: no second copy
-        out = r.wait()
-        assert torch.equal(out, t) and out.stride() == t.stride() and out.data_ptr() != t.data_ptr()
-        del out
-    assert off.stats["reloads"] == 3 and off.stats["fresh_buffers"] == 0
-    held = off.reload(saved[0]).wait()  # keep a reloaded tensor alive: its buffer must not be refilled
-    off.reload(saved[1])
-    off.reload(saved[2])
-    assert off.stats["fresh_buffers"] == 1
-    assert torch.equal(held, a)
-
-
-def test_pack_unpack_random_cases_on_gpu():
-    g = torch.Generator().manual_seed(torch.seed() % 2**63)
-    for _ in range(200):
-        testing.check_copy_case(testing.random_copy_case(g, "cuda", 1 << 16))
-
-
-def test_pack_past_2_to_31_elements():
-    base = torch.randint(-128, 127, (2**16 + 1, 2**15 + 3), dtype=torch.int8, device="cuda")
-    view = base[:, 1:-2]  # 2**31 + 2**15 elements, rows with gaps
-    buf, layout = copy.pack([view])
-    assert layout.nbytes > 2**31
-    assert torch.equal(buf.view(torch.int8).view(view.shape), view)
-    (out,) = copy.unpack(buf, layout)
-    assert out.stride() == view.stride() and torch.equal(out, view)
-
-
 def test_hugging_face_model():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
@@ -246,37 +208,8 @@ def test_hugging_face_model():
     expected = step(lambda m: m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}))
     off = offload.offloader_for(torch.empty(2, 1024, 256, device="cuda"), FORCE)
     before = off.stats["offloaded_bytes"]
-    actual = step(lambda m: offload.enable_gradient_checkpointing(m, FORCE))
+    from fastft.integrations.transformers import enable_gradient_checkpointing
+
+    actual = step(lambda m: enable_gradient_checkpointing(m, FORCE))
     assert off.stats["offloaded_bytes"] - before == 4 * 2 * 1024 * 256 * 4
     assert_identical(actual, expected)
-
-
-def test_pinned_pool_exact_sizes_and_reuse():
-    pool = copy.PinnedPool(torch.cuda.current_stream())
-    a = pool.take(3 * 2**20 + 5)  # not a power of two: held exactly
-    assert a.is_pinned() and a.numel() == 3 * 2**20 + 5 and pool.held_bytes == a.numel()
-    pool.give(a)
-    b = pool.take(2**20)  # the free buffer serves a smaller request
-    assert b.data_ptr() == a.data_ptr() and pool.held_bytes == a.numel()
-    pool.give(b)
-    c = pool.take(2**23)  # a miss: the free buffer (too small) is released, not kept beside the new one
-    assert c.is_pinned() and pool.held_bytes == 2**23
-    gpu = torch.randn(2**21, device="cuda")
-    c.view(torch.float32).copy_(gpu, non_blocking=True)
-    torch.cuda.synchronize()
-    assert torch.equal(c.view(torch.float32), gpu.cpu())
-
-
-def test_pinned_pool_falls_back_to_pageable_memory_with_one_warning(monkeypatch):
-    class FailingCudart:
-        def cudaHostRegister(self, ptr, size, flags):
-            return 2  # cudaErrorMemoryAllocation
-
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: FailingCudart())
-    off = copy.Offloader("cuda")
-    x, y = torch.randn(1000, 100, device="cuda"), torch.randn(10, 10, device="cuda")
-    with pytest.warns(RuntimeWarning, match="page-locking .* failed") as record:
-        saved_x = off.offload(x)
-        off.offload(y)  # a second buffer: no second warning
-    assert len(record) == 1 and not off.pool.pinned and not saved_x.host.is_pinned()
-    assert torch.equal(off.reload(saved_x).wait(), x)  # x comes back from pageable host memory

@@ -50,7 +50,3 @@ def run(device: torch.device, quick: bool) -> list[Row]:
                         f"frozen base linear alone {floor_ms:.3f} ms"))
         del model, layer, x
     return rows
-
-
-def tune_specs(device: torch.device) -> dict:
-    return {}

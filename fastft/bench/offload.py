@@ -148,36 +148,5 @@ def run_offload(device: torch.device, quick: bool) -> list[Row]:
     return rows
 
 
-def run_copy(device: torch.device, quick: bool) -> list[Row]:
-    """pack of strided tensors into one buffer vs. torch copies into slices of it, and the transfers."""
-    rows: list[Row] = []
-    backend = dispatch.backend_for(copy.OP_PACK, device)
-    n = 1 << (12 if quick else 26)
-    base = torch.randn(2 * n // 1024, 1024, device=device, dtype=torch.bfloat16)
-    tensors = [base[:, ::2], base[: n // 1024].t(), torch.randn(n, device=device, dtype=torch.bfloat16)]
-    buf, layout = copy.pack(tensors)
-
-    def torch_pack():
-        for t, e in zip(tensors, layout.entries):
-            buf[e.offset:e.offset + e.nbytes].view(t.dtype).view(t.shape).copy_(t)
-
-    moved = 2 * layout.nbytes
-    ms_torch = time_ms(torch_pack, device)
-    ms_ours = time_ms(lambda: copy.pack(tensors, out=buf), device)
-    note = f"{moved / (ms_ours * 1e6):.0f} GB/s read+write" if device.type == "cuda" else ""
-    rows.append(Row("copy.pack", f"3 bf16 tensors (strided, transposed, contiguous), {layout.nbytes >> 20} MiB", "torch copy_ per tensor", ms_torch, ms_ours, backend, note))
-    if device.type == "cuda":
-        host = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True)
-        d2h = time_ms(lambda: host.copy_(buf, non_blocking=True), device)
-        h2d = time_ms(lambda: buf.copy_(host, non_blocking=True), device)
-        rows.append(Row("pinned copy", f"{layout.nbytes >> 20} MiB", "-", None, d2h, "cuda", f"device->host {layout.nbytes / (d2h * 1e6):.1f} GB/s"))
-        rows.append(Row("pinned copy", f"{layout.nbytes >> 20} MiB", "-", None, h2d, "cuda", f"host->device {layout.nbytes / (h2d * 1e6):.1f} GB/s"))
-    return rows
-
-
 def run(device: torch.device, quick: bool) -> list[Row]:
-    return run_copy(device, quick) + run_offload(device, quick)
-
-
-def tune_specs(device: torch.device) -> dict:
-    return {}  # pack/unpack use the defaults: one flat copy loop, bandwidth-bound
+    return run_offload(device, quick)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 import fastft
@@ -104,13 +102,9 @@ def run(device: torch.device, quick: bool) -> list[Row]:
 # ---- autotune ---------------------------------------------------------------------------------------------
 
 
-def _grid(**axes):
-    keys = list(axes)
-    return [dict(zip(keys, values)) for values in itertools.product(*axes.values())]
-
-
-def tune_specs(device: torch.device):
-    """op -> (sizes, candidate launch parameters, make(size) -> fn(cfg) that launches once)."""
+def tune_launchers(device: torch.device) -> dict:
+    """op -> make(size) -> fn(cfg) that launches the op's kernel once with launch parameters ``cfg``
+    (the sizes and the candidate grid are the op's ``autotune.Tunable``, in fastft/packing.py)."""
     from fastft.kernels import packing as kernels
 
     def boundaries(t):
@@ -129,9 +123,5 @@ def tune_specs(device: torch.device):
         doc = fastft.packed_seq_info(position_ids=documents(t, max(1, t // 512), device)).doc_ids.view(1, t)
         return lambda cfg: kernels.block_mask_tables(doc, 0, 128, **cfg)
 
-    return {
-        packing.OP_BOUNDARIES: ((16384, 131072, 1048576), _grid(BLOCK=[512, 1024, 2048, 4096], num_warps=[4, 8]), boundaries),
-        packing.OP_FROM_CU_SEQLENS: ((16384, 131072, 1048576), _grid(BLOCK=[256, 512, 1024, 2048], num_warps=[2, 4, 8]), from_cu),
-        packing.OP_SDPA_MASK: ((4096, 16384), _grid(BLOCK_Q=[8, 16, 32, 64], BLOCK_K=[128, 256, 512], num_warps=[4, 8]), mask),
-        packing.OP_BLOCK_TABLES: ((32768, 131072), _grid(num_warps=[1, 2, 4, 8]), tables),
-    }
+    return {packing.OP_BOUNDARIES: boundaries, packing.OP_FROM_CU_SEQLENS: from_cu, packing.OP_SDPA_MASK: mask,
+            packing.OP_BLOCK_TABLES: tables}

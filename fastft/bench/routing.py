@@ -10,7 +10,6 @@ from fastft.reference import routing as reference
 from fastft.testing import assert_same, routing_fields
 
 from .common import Row, graph_ms, host_us, time_ms
-from .packing import _grid
 
 # name -> (experts, top_k, hidden)
 SHAPES = {
@@ -118,8 +117,9 @@ def run(device: torch.device, quick: bool) -> list[Row]:
 # ---- autotune ---------------------------------------------------------------------------------------------
 
 
-def tune_specs(device: torch.device):
-    """op -> (sizes, candidate launch parameters, make(size) -> fn(cfg) that launches once)."""
+def tune_launchers(device: torch.device) -> dict:
+    """op -> make(size) -> fn(cfg) that launches the op's kernel once with launch parameters ``cfg``
+    (the sizes and the candidate grid are the op's ``autotune.Tunable``, in fastft/routing.py)."""
     from fastft.kernels import routing as kernels
 
     def route(n):
@@ -150,19 +150,10 @@ def tune_specs(device: torch.device):
         w = torch.rand(r.num_tokens, 8, device=device)
         return lambda cfg: kernels.unpermute_backward(dy, ys, r.sorted_pair, r.inverse, w, **cfg)
 
-    widths = (2048, 2880, 7168)  # Qwen3-30B-A3B, gpt-oss, DeepSeek-V3
     return {
-        routing.OP_ROUTE: (
-            (32768, 131072, 524288),
-            _grid(BLOCK=[512, 1024, 2048], SLOT_BLOCK=[1024, 4096], SCAN_E=[64, 128], num_warps=[4, 8]),
-            route,
-        ),
-        routing.OP_PERMUTE: (widths, _grid(ROWS=[1, 2, 4], BLOCK_H=[1024, 2048, 4096], PAD_ROWS=[256], num_warps=[4, 8]), permute),
-        routing.OP_UNPERMUTE: (widths, _grid(ROWS=[1, 2, 4], BLOCK_H=[256, 512, 1024, 2048], num_warps=[4, 8]), gather_sum(True)),
-        routing.OP_PERMUTE_BACKWARD: (
-            widths, _grid(ROWS=[1, 2, 4], BLOCK_H=[256, 512, 1024, 2048], num_warps=[4, 8]), gather_sum(False),
-        ),
-        routing.OP_UNPERMUTE_BACKWARD: (
-            widths, _grid(ROWS=[1, 2], BLOCK_H=[1024, 2048, 4096], PAD_ROWS=[256], num_warps=[4, 8]), unpermute_backward,
-        ),
+        routing.OP_ROUTE: route,
+        routing.OP_PERMUTE: permute,
+        routing.OP_UNPERMUTE: gather_sum(True),
+        routing.OP_PERMUTE_BACKWARD: gather_sum(False),
+        routing.OP_UNPERMUTE_BACKWARD: unpermute_backward,
     }

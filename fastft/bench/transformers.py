@@ -60,7 +60,3 @@ def run(device: torch.device, quick: bool) -> list[Row]:
             rows.append(Row("transformers MoE experts", shape, f"transformers {impl}", times[impl], times["fastft"], backend))
         del experts, x
     return rows
-
-
-def tune_specs(device: torch.device) -> dict:
-    return {}

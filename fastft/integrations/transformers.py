@@ -10,7 +10,7 @@ experts blocks from fastft, through transformers' own registries (no model code 
   every layer; no document attends to another; each layer's sliding window is honoured.
 - ``use_moe(model)``: experts implementation ``"fastft"`` (transformers' experts registry), see
   ``experts_forward``.
-- offload: ``fastft.offload.enable_gradient_checkpointing``.
+- offload: ``enable_gradient_checkpointing`` (``fastft.offloaded_checkpoint`` as the checkpoint function).
 - LoRA: PEFT LoRA linear layers through ``fastft.lora.lora_linear`` (``fastft.integrations.peft``).
 
 transformers (5.x; tested with 5.17) is imported only by the functions here.
@@ -18,10 +18,13 @@ transformers (5.x; tested with 5.17) is imported only by the functions here.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import capabilities
 from ..attention import packed_attention
+from ..offload import OffloadConfig, gradient_checkpointing_func, offloaded_checkpoint
 from ..packing import packed_seq_info
 from ..routing import moe_expert_rows, moe_permute, moe_route, moe_unpermute
 
@@ -175,6 +178,29 @@ def use_packed_attention(model):
     return model
 
 
+# ---- offloaded gradient checkpointing ---------------------------------------------------------------------
+
+
+def enable_gradient_checkpointing(model, config: OffloadConfig | None = None, **config_fields):
+    """Turn on a transformers model's gradient checkpointing with offloaded checkpoints; returns the model.
+
+    ``model.gradient_checkpointing_enable()`` (which also makes PEFT's frozen inputs require grad) with
+    ``fastft.offload.gradient_checkpointing_func`` (an ``offloaded_checkpoint``) as every layer's checkpoint
+    function. ``config`` or ``OffloadConfig`` fields as keywords configure it.
+    """
+    if config is not None and config_fields:
+        raise ValueError("give either config or OffloadConfig fields as keywords, not both")
+    if config is not None and not isinstance(config, OffloadConfig):
+        raise TypeError(f"config must be a fastft.OffloadConfig or None, got {type(config).__name__}")
+    config = config or OffloadConfig(**config_fields)
+    if not hasattr(model, "gradient_checkpointing_enable") or not hasattr(model, "_set_gradient_checkpointing"):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    func = gradient_checkpointing_func if config == OffloadConfig() else functools.partial(offloaded_checkpoint, offload_config=config)
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
+    return model
+
+
 def has_experts(model) -> bool:
     """Whether a transformers model holds experts blocks (``use_experts_implementation``)."""
     return any(hasattr(m, "down_proj") and hasattr(m, "has_gate") and hasattr(m, "is_transposed") for m in model.modules())
@@ -186,7 +212,6 @@ def apply(model, *, packing: bool = True, offload_checkpointing: bool = True, mo
     ``fastft.offloaded_checkpoint``; ``moe``: ``use_moe`` when the model has experts blocks; ``lora``:
     ``fastft.integrations.peft.use_lora`` when it has PEFT LoRA layers (so call ``apply`` after
     ``peft.get_peft_model``)."""
-    from ..offload import enable_gradient_checkpointing
     from . import peft as ft_peft
 
     if not hasattr(model, "set_attn_implementation"):
