@@ -1,7 +1,7 @@
 """``custom_op``: ``torch.library.custom_op`` for fastft's ops, with a cheaper eager call.
 
 torch.compile and export trace the registered op (``fn.op``); eager calls run the implementation directly,
-skipping the dispatcher's ~10-20 µs per call, which is most of a cached per-layer lookup's budget. Calls
+skipping the dispatcher's per-call host cost, which is most of a cached per-layer lookup's budget. Calls
 that autograd must record (an op with a registered backward, grad mode on and a tensor argument that requires
 grad) go through the op.
 """

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import numbers
 
 import torch
 import torch.nn.functional as F
 
 from . import capabilities
+from ._checks import int_arg, number_arg
 from .packing import PackedSeqInfo
 from .reference import attention as reference
 from .reference import packing as reference_packing
@@ -162,17 +162,17 @@ def _check(q, k, v, info, window, sinks, scale, dropout_p, backend) -> None:
         raise ValueError(f"info describes {info.num_tokens} tokens, q has {tokens}")
     if info.device != q.device:
         raise ValueError(f"info is on {info.device}, q on {q.device}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
-        raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+    if window is not None:
+        int_arg("window", window)
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
             raise TypeError(f"sinks must be a floating tensor or None, got {getattr(sinks, 'dtype', type(sinks).__name__)}")
         if sinks.shape != (q.shape[-2],) or sinks.device != q.device:
             raise ValueError(f"sinks must be [H={q.shape[-2]}] on {q.device}, got {tuple(sinks.shape)} on {sinks.device}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p < 1:
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if scale is not None:
+        number_arg("scale", scale)
+    if not 0 <= number_arg("dropout_p", dropout_p) < 1:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
 

@@ -16,6 +16,8 @@ frozen: ``lora_linear`` raises if they require grad.
 from __future__ import annotations
 
 import torch
+
+from ._checks import number_arg
 import torch.nn.functional as F
 
 
@@ -80,6 +82,4 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise TypeError(f"weight and bias must have x's dtype {x.dtype}, got {weight.dtype}" + (f" and {bias.dtype}" if bias is not None else ""))
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise ValueError("lora_linear takes a frozen base layer: weight and bias must not require grad")
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
-        raise TypeError(f"scaling must be a Python number, got {type(scaling).__name__}")
-    return _LoRALinear.apply(x, weight, bias, lora_a, lora_b, float(scaling))
+    return _LoRALinear.apply(x, weight, bias, lora_a, lora_b, number_arg("scaling", scaling))

@@ -25,6 +25,7 @@ import weakref
 import torch
 import torch.utils.checkpoint
 
+from ._checks import int_arg
 from .offloader import Offloader
 
 _CHOICES = ("auto", True, False)
@@ -64,10 +65,8 @@ class OffloadConfig:
             value = getattr(self, name)
             if value is not None and not any(value is c for c in _CHOICES) and value != "auto":
                 raise ValueError(f"{name} must be 'auto', True or False (or None), got {value!r}")
-        if self.min_bytes is not None and (
-            isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int) or self.min_bytes < 0
-        ):
-            raise ValueError(f"min_bytes must be an int >= 0, got {self.min_bytes!r}")
+        if self.min_bytes is not None:
+            int_arg("min_bytes", self.min_bytes, minimum=0)
 
     def resolve(self) -> tuple:
         """(enabled, double_buffer, min_bytes) after the environment and the defaults."""

@@ -20,6 +20,7 @@ import weakref
 
 import torch
 
+from ._checks import int_arg
 from .copy import ALIGN, PackLayout, dense, pack, unpack
 
 
@@ -162,8 +163,7 @@ class Offloader:
 
     def __init__(self, device: torch.device | str, num_buffers: int = 2) -> None:
         device = torch.device(device)
-        if isinstance(num_buffers, bool) or not isinstance(num_buffers, int) or num_buffers < 1:
-            raise ValueError(f"num_buffers must be an int >= 1, got {num_buffers!r}")
+        int_arg("num_buffers", num_buffers, minimum=1)
         if device.type != "cuda":
             raise ValueError(f"Offloader needs a CUDA device, got {device}")
         if not torch.cuda.is_available():

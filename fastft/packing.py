@@ -21,7 +21,6 @@ read; device lengths / ``cu_seqlens`` -> one (they are validated on the host); l
 from __future__ import annotations
 
 import collections
-import numbers
 import os
 import weakref
 from typing import Sequence
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from . import autotune, capabilities, dispatch
+from ._checks import int_arg, is_int
 from ._custom_op import custom_op
 from .reference import packing as reference
 
@@ -134,11 +134,7 @@ def _(doc_ids, window, block_size, backend):
 
 
 def _window(window) -> int:
-    if window is None:
-        return 0
-    if isinstance(window, bool) or not isinstance(window, int):
-        raise TypeError(f"window must be an int or None, got {type(window).__name__}")
-    return max(window, 0)
+    return 0 if window is None else max(int_arg("window", window), 0)
 
 
 class PackedSeqInfo:
@@ -232,8 +228,7 @@ class PackedSeqInfo:
         """FlexAttention ``BlockMask`` of the document-causal mask (B rows, 1 head), built from the
         boundaries by a kernel, identical to ``create_block_mask`` with the same ``mask_mod``."""
         w = _window(window)
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        block_size = int_arg("block_size", block_size, minimum=1)
         if self.num_tokens == 0:
             raise ValueError("flex_block_mask needs at least one token")
         key = ("flex", w, block_size)
@@ -300,11 +295,6 @@ def make_block_mask(tables, doc_ids, window, block_size):
 # ---- building it --------------------------------------------------------------------------------------
 
 
-def _is_int(v) -> bool:
-    """A Python or numpy integer, not a bool (collators hand both)."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
-
-
 def _check_int_tensor(name: str, t: torch.Tensor) -> None:
     if t.dtype not in _INT_DTYPES:
         raise ValueError(f"{name} must have an integer dtype (int8-int64, uint8-uint64), got {t.dtype}")
@@ -323,7 +313,7 @@ def _lengths_key(name: str, value) -> tuple:
             f"{name} must be a list/tuple of ints, a 1-D integer numpy array or tensor, got {type(value).__name__}"
         )
     for v in value:
-        if not _is_int(v):
+        if not is_int(v):
             raise ValueError(f"{name} must be a list/tuple of ints (Python or numpy integers); it holds {type(v).__name__} {v!r}")
     return tuple(int(v) for v in value)
 
@@ -408,8 +398,8 @@ def _validate(position_ids, seq_lengths, cu_seqlens, max_seqlen, num_tokens, dev
     arg = given[0]
     value = sources[arg]
     for name, n in (("max_seqlen", max_seqlen), ("num_tokens", num_tokens)):
-        if n is not None and (not _is_int(n) or n < 0):
-            raise ValueError(f"{name} must be a non-negative int or None, got {type(n).__name__} {n!r}")
+        if n is not None:
+            int_arg(name, n, minimum=0)
     if max_seqlen is not None and arg != "cu_seqlens":
         raise ValueError("max_seqlen is only taken with cu_seqlens")
     if num_tokens is not None and num_tokens > _INT32_MAX:
@@ -468,8 +458,8 @@ def packed_seq_info(
 
     Raises ``ValueError`` naming the argument for: not exactly one source, non-integer dtypes or values,
     negative lengths, lengths summing past ``num_tokens``, ``cu_seqlens`` not starting at 0 or decreasing,
-    a ``max_seqlen``/``num_tokens`` that is not a non-negative int, meta tensors; ``TypeError`` for
-    non-tensor ``position_ids``.
+    a negative ``max_seqlen``/``num_tokens``, meta tensors; ``TypeError`` for non-tensor ``position_ids``
+    and a ``max_seqlen``/``num_tokens`` that is not an int.
     """
     arg, value, ints = _validate(position_ids, seq_lengths, cu_seqlens, max_seqlen, num_tokens, device, backend)
     max_seqlen, num_tokens = _int_or_none(max_seqlen), _int_or_none(num_tokens)  # numpy integers -> int

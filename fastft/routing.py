@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from . import autotune, dispatch
+from ._checks import int_arg
 from ._custom_op import custom_op
 from .reference import routing as reference
 
@@ -118,7 +119,7 @@ def route_op(
     packed, offsets, cap = route_buffer(t, k, num_local_experts, block_size, topk_ids.device)
     cfg = autotune.params(OP_ROUTE, topk_ids.device, n)
     # Every scatter program reads the whole (blocks x experts) histogram; past 2**17 entries fewer, larger
-    # blocks win (H100, E=1024, T*K=524288: 177 µs with 2048 pairs per block, 264 µs with 1024).
+    # blocks win (measured in docs/benchmarks.md, session 5).
     if cfg["BLOCK"] < 2048 and -(-n // cfg["BLOCK"]) * num_local_experts > 2**17:
         cfg["BLOCK"] = 2048
     _kernels().route(topk_ids, num_experts, block_size, expert_map, num_local_experts, cap, packed, offsets, **cfg)
@@ -305,14 +306,6 @@ class MoERouting:
 _making = threading.local()  # .route is True while moe_route builds a MoERouting
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
 def moe_route(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -334,8 +327,8 @@ def moe_route(
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids.shape)}")
-    num_experts = _positive_int("num_experts", num_experts)
-    block_size = _positive_int("block_size", block_size)
+    num_experts = int_arg("num_experts", num_experts, minimum=1)
+    block_size = int_arg("block_size", block_size, minimum=1)
     if expert_map is None:
         if num_local_experts is not None:
             raise ValueError("num_local_experts is only taken with expert_map")
@@ -351,7 +344,7 @@ def moe_route(
             raise ValueError(f"expert_map is on {expert_map.device}, topk_ids on {topk_ids.device}")
         if num_local_experts is None:
             raise ValueError("num_local_experts is required with expert_map")
-        num_local = _positive_int("num_local_experts", num_local_experts)
+        num_local = int_arg("num_local_experts", num_local_experts, minimum=1)
         expert_map = expert_map.contiguous()
     t, k = topk_ids.shape
     n = t * k

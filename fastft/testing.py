@@ -12,6 +12,7 @@ functions (hypothesis is imported only when one is called).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -81,7 +82,7 @@ def differential(fn, *, backends=("triton", "torch"), atol: float = 0.0, rtol: f
 # ---- random inputs ---------------------------------------------------------------------------------------
 
 
-def _randint(g: torch.Generator, low: int, high: int) -> int:
+def randint(g: torch.Generator, low: int, high: int) -> int:
     """Uniform int in [low, high]."""
     return int(torch.randint(low, high + 1, (1,), generator=g))
 
@@ -90,7 +91,7 @@ def random_seq_lengths(g: torch.Generator, num_tokens: int, max_len: int, zero_p
     """Lengths in [1, max_len] (some 0) that sum to at most ``num_tokens``."""
     lengths, total = [], 0
     while True:
-        n = 0 if torch.rand((), generator=g) < zero_prob else _randint(g, 1, max_len)
+        n = 0 if torch.rand((), generator=g) < zero_prob else randint(g, 1, max_len)
         if total + n > num_tokens:
             return lengths
         lengths.append(n)
@@ -106,12 +107,12 @@ def random_position_ids(
     for _ in range(rows or 1):
         row: list[int] = []
         while len(row) < tokens:
-            length = _randint(g, 1, max_doc_len)
-            kind = _randint(g, 0, 9)
+            length = randint(g, 1, max_doc_len)
+            kind = randint(g, 0, 9)
             if kind == 0:
                 row += [0] * length  # padding: every token is its own document
             else:
-                first = 0 if kind > 2 else _randint(g, 1, 1000)
+                first = 0 if kind > 2 else randint(g, 1, 1000)
                 row += range(first, first + length)
         out.append(row[:tokens])
     t = torch.tensor(out, dtype=dtype).reshape(rows or 1, tokens)
@@ -147,21 +148,21 @@ def packing_outputs(source: dict, *, windows=(None,), block_sizes=(128,), mask_d
 
 def random_packing_case(g: torch.Generator, device, max_tokens: int) -> dict:
     """Keyword arguments for one random ``packing_outputs`` call."""
-    tokens = _randint(g, 0, max_tokens)
-    kind = _randint(g, 0, 2)
+    tokens = randint(g, 0, max_tokens)
+    kind = randint(g, 0, 2)
     if kind == 0:
-        rows = None if _randint(g, 0, 1) else _randint(g, 1, 3)
-        dtype = torch.int32 if _randint(g, 0, 1) else torch.int64
-        pos = random_position_ids(g, rows, tokens, max(1, _randint(g, 1, max_tokens // 2)), dtype).to(device)
+        rows = None if randint(g, 0, 1) else randint(g, 1, 3)
+        dtype = torch.int32 if randint(g, 0, 1) else torch.int64
+        pos = random_position_ids(g, rows, tokens, max(1, randint(g, 1, max_tokens // 2)), dtype).to(device)
         source = {"position_ids": pos}
     else:
-        lengths = random_seq_lengths(g, tokens, max(1, _randint(g, 1, max_tokens // 2)))
-        extra = _randint(g, 0, 5)
+        lengths = random_seq_lengths(g, tokens, max(1, randint(g, 1, max_tokens // 2)))
+        extra = randint(g, 0, 5)
         name = "seq_lengths" if kind == 1 else "cu_seqlens"
         values = lengths if kind == 1 else [sum(lengths[:i]) for i in range(len(lengths) + 1)]
         source = {name: values, "num_tokens": sum(lengths) + extra, "device": device}
-    windows = (None, _randint(g, -1, 2), _randint(g, 1, max_tokens))
-    block_sizes = (_randint(g, 1, 4) * 16, 2 ** _randint(g, 0, 3) if tokens <= 64 else 128)
+    windows = (None, randint(g, -1, 2), randint(g, 1, max_tokens))
+    block_sizes = (randint(g, 1, 4) * 16, 2 ** randint(g, 0, 3) if tokens <= 64 else 128)
     return dict(source=source, windows=windows, block_sizes=block_sizes, mask_dtypes=(torch.bool, torch.bfloat16))
 
 
@@ -200,27 +201,27 @@ def routing_fields(routing) -> dict:
 
 def random_routing_case(g: torch.Generator, device, max_tokens: int) -> dict:
     """Keyword arguments of ``routing_outputs``: router ids, routing options and float inputs."""
-    tokens = _randint(g, 0, max_tokens)
-    top_k = _randint(g, 1, 8)
-    num_experts = [1, 2, 3, 7, 8, 32, 100, 1030][_randint(g, 0, 7)]
+    tokens = randint(g, 0, max_tokens)
+    top_k = randint(g, 1, 8)
+    num_experts = [1, 2, 3, 7, 8, 32, 100, 1030][randint(g, 0, 7)]
     ids = random_topk_ids(
-        g, tokens, top_k, num_experts, unrouted=[0.0, 0.1, 0.9][_randint(g, 0, 2)],
-        dtype=torch.int32 if _randint(g, 0, 1) else torch.int64, strided=bool(_randint(g, 0, 1)),
+        g, tokens, top_k, num_experts, unrouted=[0.0, 0.1, 0.9][randint(g, 0, 2)],
+        dtype=torch.int32 if randint(g, 0, 1) else torch.int64, strided=bool(randint(g, 0, 1)),
     ).to(device)
-    options = {"num_experts": num_experts, "block_size": [1, 1, 2, 16, 128][_randint(g, 0, 4)]}
-    if _randint(g, 0, 2) == 0:
-        local = _randint(g, 1, num_experts)
+    options = {"num_experts": num_experts, "block_size": [1, 1, 2, 16, 128][randint(g, 0, 4)]}
+    if randint(g, 0, 2) == 0:
+        local = randint(g, 1, num_experts)
         mapping = torch.full((num_experts,), -1, dtype=torch.int32)
         mapping[torch.randperm(num_experts, generator=g)[:local]] = torch.randperm(local, generator=g).int()
         options.update(expert_map=mapping.to(device), num_local_experts=local)
     local = options.get("num_local_experts", num_experts)
-    dtype = torch.float32 if _randint(g, 0, 1) else torch.bfloat16
-    hidden = _randint(g, 1, 48)
-    data = torch.Generator().manual_seed(_randint(g, 0, 2**62))
+    dtype = torch.float32 if randint(g, 0, 1) else torch.bfloat16
+    hidden = randint(g, 1, 48)
+    data = torch.Generator().manual_seed(randint(g, 0, 2**62))
     rand = lambda *shape: torch.randn(*shape, generator=data).to(device, dtype)  # noqa: E731
     return dict(
         topk_ids=ids, options=options, x=rand(tokens, hidden), weights=rand(tokens, top_k),
-        table=rand(local, _randint(g, 1, 40)), seed=_randint(g, 0, 2**62),
+        table=rand(local, randint(g, 1, 40)), seed=randint(g, 0, 2**62),
     )
 
 
@@ -289,15 +290,15 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def random_strided_tensor(g: torch.Generator, device, max_numel: int, dtype=None) -> torch.Tensor:
     """A random view: rank 0-5, any of ``COPY_DTYPES``, random bits (floats include NaN/inf patterns),
     then permuted, sliced with steps and offsets, or expanded along a size-1 dimension."""
-    dtype = dtype or COPY_DTYPES[_randint(g, 0, len(COPY_DTYPES) - 1)]
-    rank = _randint(g, 0, 5)
+    dtype = dtype or COPY_DTYPES[randint(g, 0, len(COPY_DTYPES) - 1)]
+    rank = randint(g, 0, 5)
     budget = max(1, max_numel)
     shape = []
     for _ in range(rank):
-        shape.append(_randint(g, 0 if _randint(g, 0, 9) == 0 else 1, max(1, min(6, budget))))
+        shape.append(randint(g, 0 if randint(g, 0, 9) == 0 else 1, max(1, min(6, budget))))
         budget = max(1, budget // max(1, shape[-1]))
-    steps = [_randint(g, 1, 2) for _ in shape]
-    base_shape = [z * st + _randint(g, 0, 1) for z, st in zip(shape, steps)]
+    steps = [randint(g, 1, 2) for _ in shape]
+    base_shape = [z * st + randint(g, 0, 1) for z, st in zip(shape, steps)]
     if dtype == torch.bool:
         base = torch.randint(0, 2, base_shape, generator=g).bool()
     else:
@@ -305,22 +306,22 @@ def random_strided_tensor(g: torch.Generator, device, max_numel: int, dtype=None
         base = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).view(dtype).view(base_shape)
     index = []
     for z, st, b in zip(shape, steps, base_shape):
-        start = _randint(g, 0, b - (z - 1) * st - 1) if z else 0
+        start = randint(g, 0, b - (z - 1) * st - 1) if z else 0
         index.append(slice(start, start + (z - 1) * st + 1 if z else start, st))
     t = base.to(device)[tuple(index)]
-    if rank > 1 and _randint(g, 0, 1):
+    if rank > 1 and randint(g, 0, 1):
         t = t.permute(*torch.randperm(rank, generator=g).tolist())
     ones = [i for i, z in enumerate(t.shape) if z == 1]
-    if ones and _randint(g, 0, 3) == 0:
+    if ones and randint(g, 0, 3) == 0:
         shape = list(t.shape)
-        shape[ones[0]] = _randint(g, 2, 4)
+        shape[ones[0]] = randint(g, 2, 4)
         t = t.expand(shape)
     return t
 
 
 def random_copy_case(g: torch.Generator, device, max_numel: int) -> list[torch.Tensor]:
     """0-4 tensors from ``random_strided_tensor``, for ``check_copy_case``."""
-    return [random_strided_tensor(g, device, max_numel) for _ in range(_randint(g, 0, 4))]
+    return [random_strided_tensor(g, device, max_numel) for _ in range(randint(g, 0, 4))]
 
 
 def check_copy_case(tensors, *, backend=None) -> None:
@@ -393,7 +394,158 @@ def check_lora(g: torch.Generator, device, max_tokens: int) -> None:
 
 # op name -> fn(generator, device, max_tokens): one random differential case (``python -m fastft check``);
 # lora (no Triton kernel) checks its op against its reference
-CHECKS = {"packing": check_packing, "routing": check_routing, "copy": check_copy, "lora": check_lora}
+# ---- packed attention ------------------------------------------------------------------------------------
+
+
+def random_attention_case(g: torch.Generator, device, max_tokens: int) -> dict:
+    """A packed batch for ``packed_attention``: q, k, v ``[B, T, H(_kv), D]``, position ids, window, sinks."""
+    rows, kv_heads, groups = randint(g, 1, 3), randint(g, 1, 3), randint(g, 1, 4)
+    pos = random_position_ids(g, rows, max(1, max_tokens // rows), max(1, max_tokens // 4))
+    t = pos.shape[-1]
+    dim = 8 * randint(g, 1, 9)
+    q = torch.randn(rows, t, kv_heads * groups, dim, generator=g)
+    k, v = torch.randn(2, rows, t, kv_heads, dim, generator=g)
+    sinks = torch.randn(kv_heads * groups, generator=g) if randint(g, 0, 2) else None
+    window = randint(g, 1, 2 * t + 2) if randint(g, 0, 2) else None
+    return dict(q=q.to(device), k=k.to(device), v=v.to(device), position_ids=pos.to(device), window=window,
+                sinks=None if sinks is None else sinks.to(device))
+
+
+def check_attention_case(case: dict) -> None:
+    """``packed_attention`` (forward and gradients; bf16 flash on a GPU, fp32 dense on a CPU) against
+    ``fastft/reference/attention.py`` in fp32."""
+    from fastft.reference import attention as reference
+
+    info = fastft.packed_seq_info(position_ids=case["position_ids"])
+    inputs = [case[n] for n in ("q", "k", "v", "sinks")]
+    gpu = inputs[0].is_cuda
+    grad = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(0)).to(inputs[0].device)
+
+    def run(fn, dtype):
+        leaves = [None if x is None else x.detach().to(dtype).requires_grad_() for x in inputs]
+        out = fn(*leaves)
+        out.backward(grad.to(dtype))
+        return [out.detach().float()] + [None if x is None else x.grad.float() for x in leaves]
+
+    window = case["window"]
+    got = run(lambda q, k, v, s: fastft.packed_attention(q, k, v, info, window=window, sinks=s),
+              torch.bfloat16 if gpu else torch.float32)
+    want = run(lambda q, k, v, s: reference.packed_attention(q, k, v, info.doc_ids, window or 0, s, q.shape[-1] ** -0.5),
+               torch.float32)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
+        if b is not None:
+            scale = float(b.abs().max()) if b.numel() else 0.0
+            assert_same(a, b, atol=(3e-2 * scale) if gpu else 1e-4, rtol=3e-2 if gpu else 1e-4, path=name)
+
+
+def check_attention(g: torch.Generator, device, max_tokens: int) -> None:
+    check_attention_case(random_attention_case(g, device, min(max_tokens, 512)))
+
+
+# ---- shared inputs of tests and benchmarks --------------------------------------------------------------
+
+
+def packed_position_ids(num_tokens: int, num_docs: int, device, rows: int | None = None) -> torch.Tensor:
+    """Position ids of ``num_docs`` documents of random lengths (fixed seed) filling ``num_tokens``; ``[T]``,
+    or the same row repeated ``[rows, T]``."""
+    g = torch.Generator().manual_seed(num_tokens * 31 + num_docs)
+    cuts = torch.randperm(num_tokens - 1, generator=g)[: num_docs - 1].add(1).sort().values
+    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([num_tokens])])
+    pos = torch.arange(num_tokens) - torch.repeat_interleave(cu[:-1], cu.diff())
+    return pos.to(device) if rows is None else pos.expand(rows, -1).contiguous().to(device)
+
+
+# MoE shapes: name -> (experts, top-k, hidden size)
+MOE_SHAPES = {
+    "gpt-oss-20b": (32, 4, 2880),
+    "gpt-oss-120b": (128, 4, 2880),
+    "Qwen3-30B-A3B": (128, 8, 2048),
+    "DeepSeek-V3": (256, 8, 7168),
+}
+
+
+def router_ids(tokens: int, experts: int, top_k: int, device, seed: int = 0) -> torch.Tensor:
+    """Top-k of random router logits: K distinct experts per token, as a real router gives."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.rand(tokens, experts, generator=g, device=device).topk(top_k, dim=1).indices
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Inside it, any CUDA call that makes the host wait for the GPU raises (``set_sync_debug_mode("error")``);
+    pending work is synchronized first. Without CUDA it only runs the body."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+# transformers models: name -> (config class, config fields, decoder layers kept on a GPU). The e2e benchmark
+# and the real-size GPU tests build them with random weights.
+MODEL_CONFIGS = {
+    "Llama-3.2-1B": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True), 16),
+    "Qwen3-0.6B": ("Qwen3Config", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True), 28),
+    "Qwen3-8B": ("Qwen3Config", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                                     num_key_value_heads=8, head_dim=128, vocab_size=151936), 8),
+    "Qwen3-30B-A3B": ("Qwen3MoeConfig", dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
+                                             num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
+                                             num_key_value_heads=4, head_dim=128, vocab_size=151936, decoder_sparse_step=1), 4),
+    "gpt-oss-20b": ("GptOssConfig", dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                                         num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                         vocab_size=201088, sliding_window=128), 4),
+}
+
+
+def sft_lengths(total: int, seed: int = 0, median: int = 380, max_len: int = 4096) -> list[int]:
+    """Document lengths, log-normal around ``median`` (sigma 1, as chat SFT sets are), summing to ``total``."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < total:
+        n = int(math.exp(math.log(median) + torch.randn((), generator=g).item()))
+        lengths.append(max(16, min(max_len, n)))
+    lengths[-1] -= sum(lengths) - total
+    return [n for n in lengths if n > 0]
+
+
+_TINY_FAMILIES = {
+    "llama": ("LlamaConfig", dict(intermediate_size=64)),
+    "qwen3": ("Qwen3Config", dict(intermediate_size=64, layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                                  use_sliding_window=True, max_window_layers=0)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=32, intermediate_size=64, num_experts=6, num_experts_per_tok=2,
+                                         norm_topk_prob=True, decoder_sparse_step=1)),
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=32, num_local_experts=5, num_experts_per_tok=2,
+                                     layer_types=["sliding_attention", "full_attention"], sliding_window=6)),
+}
+
+
+def tiny_hf_model(family: str, dtype=torch.float32, device="cpu", seed: int = 0, **fields):
+    """A tiny transformers causal LM (``llama``, ``qwen3`` (a sliding-window layer), ``qwen3_moe``, ``gpt_oss``)
+    with random weights (``seed``; biases drawn too, so that gpt-oss's zero-initialised expert biases matter),
+    in train mode; ``fields`` override the config (2 layers, hidden 64, 4 heads, 2 kv heads, vocab 128)."""
+    import transformers
+
+    config_cls, family_fields = _TINY_FAMILIES[family]
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=256)
+    config = getattr(transformers, config_cls)(**{**common, **family_fields, **fields})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(device, dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "bias" in name:
+                p.normal_(0, 0.05)
+    return model.train()
+
+
+CHECKS = {"packing": check_packing, "routing": check_routing, "attention": check_attention, "copy": check_copy,
+          "lora": check_lora}
 
 
 # ---- hypothesis strategies -------------------------------------------------------------------------------

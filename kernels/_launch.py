@@ -1,12 +1,12 @@
 """``launch(fn, grid, *args, **meta)``: ``fn[grid](*args, **meta)`` with less host time on repeat calls.
 
-Triton's launch path binds and specializes every argument in Python on every call (~1.2 µs per
-argument with Triton 3.6 on the lent H100 host), which is most of the host cost of fastft's small
-kernels. ``launch`` keeps the compiled kernel that ``fn[grid]`` returned, under a key that covers
+Triton's launch path binds and specializes every argument in Python on every call, which is most of the
+host cost of fastft's small kernels (docs/benchmarks.md, "launch floor"). ``launch`` keeps the compiled kernel that ``fn[grid]`` returned, under a key that covers
 everything Triton specializes on (each tensor's dtype and 16-byte alignment; each int's value class: 1,
 a multiple of 16, 32/64-bit; the constexpr and launch options), and later launches it directly: through
 the kernel's launcher with the current stream, or, while a launch hook is set (a profiler) or on a
-Triton without ``triton.knobs``, through the compiled kernel's own runner.
+Triton whose compiled kernels lack that launcher API (probed once per kernel, no ``except``), through the
+compiled kernel's own runner.
 The interpreter (CPU) always takes Triton's own path.
 """
 
@@ -16,8 +16,15 @@ import torch
 import triton
 
 _compiled: dict = {}  # key -> (compiled kernel, names of the constexpr parameters after the positional ones)
-_direct = [True]  # cleared if this Triton's compiled kernels cannot be launched directly
 _hooks = getattr(getattr(triton, "knobs", None), "runtime", None)  # Triton >= 3.4: where launch hooks live
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _direct_api(kernel) -> bool:
+    """Whether this Triton's compiled kernel has the launcher API ``launch`` calls directly."""
+    return _hooks is not None and _RAW_STREAM is not None and all(
+        hasattr(kernel, name) for name in ("run", "function", "packed_metadata")
+    )
 
 
 def _hooked(hook) -> bool:
@@ -26,7 +33,7 @@ def _hooked(hook) -> bool:
 
 
 def cdiv(a: int, b: int) -> int:
-    """Host-side ``ceil(a / b)``: ``triton.cdiv`` is a constexpr function on Triton 3.9, ~2 µs a call."""
+    """Host-side ``ceil(a / b)`` (``triton.cdiv`` is a slower constexpr function on newer Tritons)."""
     return -(-a // b)
 
 
@@ -53,7 +60,7 @@ def _key(args) -> tuple:
 
 
 def launch(fn, grid, *args, **meta) -> None:
-    if not _direct[0] or not (args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
+    if not (args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
         fn[grid](*args, **meta)
         return
     grid = tuple(grid) + (1,) * (3 - len(grid))
@@ -63,17 +70,13 @@ def launch(fn, grid, *args, **meta) -> None:
         kernel = fn[grid](*args, **meta)
         names = fn.arg_names[len(args):]
         if all(name in meta for name in names):
-            _compiled[key] = (kernel, names)
+            _compiled[key] = (kernel, names, _direct_api(kernel))
         return
-    kernel, names = hit
-    try:
-        if _hooks is None or _hooked(_hooks.launch_enter_hook) or _hooked(_hooks.launch_exit_hook):
-            kernel[grid](*args, *(meta[name] for name in names))
-        else:  # what kernel[grid] does with no hook set, minus its per-call closure and device query
-            kernel.run(
-                *grid, torch._C._cuda_getCurrentRawStream(key[1]), kernel.function, kernel.packed_metadata,
-                None, None, None, *args, *(meta[name] for name in names),
-            )
-    except (AttributeError, TypeError):  # a Triton whose compiled-kernel API differs: use its own path
-        _direct[0] = False
-        fn[grid](*args, **meta)
+    kernel, names, direct = hit
+    if not direct or _hooked(_hooks.launch_enter_hook) or _hooked(_hooks.launch_exit_hook):
+        kernel[grid](*args, *(meta[name] for name in names))
+    else:  # what kernel[grid] does with no hook set, minus its per-call closure and device query
+        kernel.run(
+            *grid, _RAW_STREAM(key[1]), kernel.function, kernel.packed_metadata, None, None, None,
+            *args, *(meta[name] for name in names),
+        )

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ._launch import cdiv, launch, next_power_of_2
+from .common import last_at_most, max_combine
 
 
 @triton.jit
@@ -20,11 +21,6 @@ def _doc_starts(pos_ptr, offs, n, row_len):
     cur = tl.load(pos_ptr + offs, mask=valid, other=0).to(tl.int64)
     prev = tl.load(pos_ptr + offs - 1, mask=valid & (offs > 0), other=0).to(tl.int64)
     return (valid & (((offs % row_len) == 0) | (cur != prev + 1))).to(tl.int32)
-
-
-@triton.jit
-def max_combine(a, b):
-    return tl.maximum(a, b)
 
 
 @triton.jit(do_not_specialize=["n", "row_len"])
@@ -99,13 +95,7 @@ def _from_cu_seqlens_kernel(cu_ptr, num_seqs, doc_ptr, pos_ptr, n, BLOCK: tl.con
     # Binary search per token: the largest d < num_seqs with cu[d] <= token.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < n
-    lo = tl.zeros((BLOCK,), dtype=tl.int32)
-    hi = tl.full((BLOCK,), num_seqs - 1, dtype=tl.int32)
-    for _ in tl.static_range(STEPS):
-        mid = (lo + hi + 1) // 2
-        go = tl.load(cu_ptr + mid, mask=valid, other=0) <= offs
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid - 1)
+    lo = last_at_most(cu_ptr, offs, valid, num_seqs - 1, STEPS)
     tl.store(doc_ptr + offs, lo, mask=valid)
     tl.store(pos_ptr + offs, offs - tl.load(cu_ptr + lo, mask=valid, other=0), mask=valid)
 

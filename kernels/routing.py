@@ -8,8 +8,8 @@ Routing is two launches over blocks of ``BLOCK`` pairs:
      program also fills its share of the padding slots (-1) and expert_of_block.
 Launch wrappers take explicit launch parameters; choosing them is fastft.routing's job. Row addressing
 is int64, so tensors past 2**31 elements address correctly. The row kernels let Triton specialize on row
-widths and strides (a multiple of 16 lets it vectorize the row loads and stores: +8% for the gather-sum
-at T=4096 on the H100); only token and pair counts, which change every batch, are not specialized.
+widths and strides (a multiple of 16 lets it vectorize the row loads and stores; docs/benchmarks.md,
+session 6); only token and pair counts, which change every batch, are not specialized.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ._launch import cdiv, launch, next_power_of_2
-from .packing import max_combine
+from .common import last_at_most, max_combine
 
 
 @triton.jit(do_not_specialize=["n", "top_k", "stride_t", "stride_k", "num_experts", "num_local"])
@@ -127,13 +127,7 @@ def _route_scatter_kernel(
     # Padding slots and expert_of_block: the expert of slot s is the largest e with padded_offsets[e] <= s.
     s = pid.to(tl.int64) * SLOT_BLOCK + tl.arange(0, SLOT_BLOCK)
     s_in = s < capacity
-    lo = tl.zeros((SLOT_BLOCK,), dtype=tl.int32)
-    hi = tl.full((SLOT_BLOCK,), num_local, dtype=tl.int32)
-    for _ in tl.static_range(STEPS):
-        mid = (lo + hi + 1) // 2
-        go = tl.load(padded_ptr + mid, mask=s_in, other=0) <= s
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid - 1)
+    lo = last_at_most(padded_ptr, s, s_in, num_local, STEPS)
     owned = lo < num_local
     start = tl.load(padded_ptr + lo, mask=s_in, other=0)
     count = tl.load(counts_ptr + lo, mask=s_in & owned, other=0)

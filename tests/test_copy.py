@@ -14,8 +14,8 @@ def test_pack_unpack_match_reference(device, seed):
     testing.check_copy_case(testing.random_copy_case(g, device, 256), backend="triton")
 
 
-def test_torch_backend_round_trips():
-    g = torch.Generator().manual_seed(torch.seed() % 2**63)
+def test_torch_backend_round_trips(rng):
+    g = rng
     for _ in range(20):
         testing.check_copy_case(testing.random_copy_case(g, "cpu", 256), backend="torch")
 
@@ -89,8 +89,8 @@ def test_bad_input():
 
 
 @pytest.mark.gpu
-def test_pack_unpack_random_cases_on_gpu():
-    g = torch.Generator().manual_seed(torch.seed() % 2**63)
+def test_pack_unpack_random_cases_on_gpu(rng):
+    g = rng
     for _ in range(200):
         testing.check_copy_case(testing.random_copy_case(g, "cuda", 1 << 16))
 

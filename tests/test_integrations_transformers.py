@@ -7,35 +7,13 @@ transformers = pytest.importorskip("transformers")
 
 import fastft  # noqa: E402
 import fastft.integrations.transformers as ft_hf  # noqa: E402
+from fastft.testing import no_host_sync, tiny_hf_model  # noqa: E402
 
 GPU = torch.cuda.is_available()
 
 
 def tiny(name, dtype):
-    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, max_position_embeddings=256)
-    if name == "llama":
-        config = transformers.LlamaConfig(**common, intermediate_size=64)
-        cls = transformers.LlamaForCausalLM
-    elif name == "qwen3":
-        config = transformers.Qwen3Config(**common, intermediate_size=64, layer_types=["sliding_attention", "full_attention"],
-                                          sliding_window=6, use_sliding_window=True, max_window_layers=0)
-        cls = transformers.Qwen3ForCausalLM
-    elif name == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=32, intermediate_size=64, num_experts=6,
-                                             num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
-        cls = transformers.Qwen3MoeForCausalLM
-    else:
-        config = transformers.GptOssConfig(**common, intermediate_size=32, num_local_experts=5, num_experts_per_tok=2,
-                                           layer_types=["sliding_attention", "full_attention"], sliding_window=6)
-        cls = transformers.GptOssForCausalLM
-    torch.manual_seed(0)
-    model = cls(config).to("cuda" if GPU else "cpu", dtype)
-    with torch.no_grad():  # gpt-oss initialises its expert biases to zero: make them matter
-        for name_, p in model.named_parameters():
-            if "bias" in name_:
-                p.normal_(0, 0.05)
-    return model.train()
+    return tiny_hf_model(name, dtype, "cuda" if GPU else "cpu")
 
 
 def loss_and_grads(model, ids):
@@ -81,13 +59,9 @@ def test_experts_block_is_sync_free_on_gpu():
     ids = torch.rand(512, 5, device="cuda").topk(2, dim=1).indices
     ids[:7, 1] = 5  # an expert-parallel sentinel: not routed
     w = torch.rand(512, 2, device="cuda", requires_grad=True)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         out = experts(x, ids, w)
         out.float().square().sum().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert out.shape == x.shape and torch.isfinite(out).all() and torch.isfinite(x.grad).all()
 
 
@@ -199,13 +173,9 @@ def test_packed_llama_step_is_sync_free_with_collator_lengths():
     batch = collate([{"input_ids": torch.randint(0, 128, (n,), generator=g).tolist()} for n in (40, 7, 81)])
     batch = {k: v.cuda() if k in ("input_ids", "labels", "position_ids") else v for k, v in batch.items()}  # lengths stay on the host
     model(**batch).loss.backward()  # warm up (allocations, kernel compilation)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
         logits.float().square().mean().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(logits).all()
 
 

@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fastft.bench import e2e  # noqa: E402
+from fastft.testing import MODEL_CONFIGS, sft_lengths  # noqa: E402
 from fastft.integrations import transformers as ft_hf  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -24,16 +24,16 @@ def document_mask(doc, window, dtype):
     return torch.zeros(ok.shape, dtype=dtype, device=doc.device).masked_fill(~ok, float("-inf"))[None, None]
 
 
-@pytest.mark.parametrize("name", list(e2e.MODELS))
+@pytest.mark.parametrize("name", list(MODEL_CONFIGS))
 def test_real_size_packed_step_matches_stock_and_documents_alone(name):
     """Against stock transformers in fp32 (the reference), fastft in bf16 is as close as stock in bf16 is:
     error <= 1.5 x stock's + 5e-3 (relative norms), for the loss, the logits and every gradient."""
-    config_cls, fields, _ = e2e.MODELS[name]
+    config_cls, fields, _ = MODEL_CONFIGS[name]
     config = getattr(transformers, config_cls)(**dict(fields, num_hidden_layers=2), use_cache=False)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
-    lengths = e2e.sft_lengths(4096, seed=3)
+    lengths = sft_lengths(4096, seed=3)
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 128000, (1, 4096), generator=g).cuda()
     positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()

@@ -12,7 +12,7 @@ gpu = pytest.mark.gpu
 def test_bad_input():
     with pytest.raises(ValueError, match="needs a CUDA device"):
         Offloader("cpu")
-    with pytest.raises(ValueError, match="num_buffers must be an int >= 1"):
+    with pytest.raises(TypeError, match="num_buffers must be an int, got bool"):
         Offloader("cuda", num_buffers=True)
     with pytest.raises(ValueError, match="num_buffers must be an int >= 1"):
         Offloader("cuda", num_buffers=0)

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 import fastft
 from fastft import testing
-from fastft.bench.packing import documents
+from fastft.testing import no_host_sync
+from fastft.testing import packed_position_ids as documents
 
 pytestmark = pytest.mark.gpu
 
@@ -54,14 +55,11 @@ def test_32_layer_loop_never_syncs_after_the_first():
     pos = documents(16384, 32, "cuda", rows=2)
     first = fastft.packed_seq_info(position_ids=pos)
     first.varlen_kwargs(), first.sdpa_mask(), first.flex_block_mask()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for _ in range(32):
             info = fastft.packed_seq_info(position_ids=pos)
             assert info is first
             info.varlen_kwargs(), info.sdpa_mask(), info.flex_block_mask(), info.cu_seqlens, info.max_seqlen
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def _rel_err(a, b):
@@ -121,8 +119,8 @@ def test_mask_addresses_past_2_31_elements():
         assert torch.equal(mask[bi, 0, rows], want)
 
 
-def test_large_batches_match_torch():
-    g = torch.Generator().manual_seed(torch.seed())
+def test_large_batches_match_torch(rng):
+    g = rng
     for t in (100_000, 1_000_003):
         pos = testing.random_position_ids(g, None, t, 4000).cuda()
         testing.differential(lambda backend: testing.packing_outputs({"position_ids": pos}, windows=(), backend=backend))

@@ -44,7 +44,7 @@ def test_reference_matches_the_rules(seed, tokens, top_k, num_experts, block_siz
     ids = testing.random_topk_ids(g, tokens, top_k, num_experts, unrouted=0.2)
     expert_map, num_local = None, num_experts
     if use_map:
-        num_local = testing._randint(g, 1, num_experts + 1)  # ids >= num_local are not routed either
+        num_local = testing.randint(g, 1, num_experts + 1)  # ids >= num_local are not routed either
         expert_map = torch.randint(-1, num_local + 1, (num_experts,), generator=g, dtype=torch.int32)
     counts, padded, slots, inverse, expert_of_slot = brute_force(
         ids.tolist(), num_experts, block_size, None if expert_map is None else expert_map.tolist(), num_local
@@ -98,8 +98,8 @@ def test_triton_matches_reference(device, seed):
     "tokens,top_k,num_experts,block_size",
     [(0, 4, 8, 16), (1, 1, 1, 1), (37, 3, 1500, 8), (130, 2, 5, 128), (64, 8, 3, 1)],
 )
-def test_edge_shapes(device, tokens, top_k, num_experts, block_size):
-    g = torch.Generator().manual_seed(torch.seed() % 2**63)
+def test_edge_shapes(device, tokens, top_k, num_experts, block_size, rng):
+    g = rng
     case = testing.random_routing_case(g, device, 8)
     ids = testing.random_topk_ids(g, tokens, top_k, num_experts).to(device)
     x = torch.randn(tokens, 24, device=device)
@@ -119,8 +119,8 @@ def test_all_pairs_unrouted(device):
 # ---- gradients: the ops' backward against autograd through plain torch indexing ------------------------
 
 
-def test_gradients_match_autograd_of_plain_torch(device):
-    g = torch.Generator().manual_seed(torch.seed() % 2**63)
+def test_gradients_match_autograd_of_plain_torch(device, rng):
+    g = rng
     ids = testing.random_topk_ids(g, 23, 3, 6).to(device)
     r = fastft.moe_route(ids, 6, block_size=4)
     x = torch.randn(23, 7, device=device, requires_grad=True)
@@ -155,9 +155,9 @@ def test_gradients_match_autograd_of_plain_torch(device):
         (([[0, 1]], 4), {}, TypeError, "topk_ids must be a tensor"),
         ((torch.zeros(2, 2), 4), {}, TypeError, "topk_ids must be int32 or int64"),
         ((torch.zeros(4, dtype=torch.long), 4), {}, ValueError, r"topk_ids must be \[T, K\]"),
-        ((torch.zeros(2, 2, dtype=torch.long), 0), {}, ValueError, "num_experts must be >= 1"),
+        ((torch.zeros(2, 2, dtype=torch.long), 0), {}, ValueError, "num_experts must be an int >= 1"),
         ((torch.zeros(2, 2, dtype=torch.long), 4.0), {}, TypeError, "num_experts must be an int"),
-        ((torch.zeros(2, 2, dtype=torch.long), 4), {"block_size": 0}, ValueError, "block_size must be >= 1"),
+        ((torch.zeros(2, 2, dtype=torch.long), 4), {"block_size": 0}, ValueError, "block_size must be an int >= 1"),
         ((torch.zeros(2, 2, dtype=torch.long), 4), {"num_local_experts": 2}, ValueError, "only taken with expert_map"),
         ((torch.zeros(2, 2, dtype=torch.long), 4), {"expert_map": torch.zeros(4, dtype=torch.int32)}, ValueError,
          "num_local_experts is required"),
@@ -280,10 +280,10 @@ def test_torch_compile_traces_without_graph_breaks(device):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_custom_ops_pass_opcheck(device, backend):
+def test_custom_ops_pass_opcheck(device, backend, rng):
     from fastft import routing
 
-    g = torch.Generator().manual_seed(torch.seed() % 2**63)
+    g = rng
     ids = testing.random_topk_ids(g, 12, 2, 5).to(device)
     r = fastft.moe_route(ids, 5, block_size=2, backend=backend)
     x = torch.randn(12, 6, device=device, requires_grad=True)

@@ -5,7 +5,8 @@ import torch
 
 import fastft
 from fastft import testing
-from fastft.bench.routing import SHAPES, router_ids
+from fastft.testing import MOE_SHAPES as SHAPES
+from fastft.testing import no_host_sync, router_ids
 from fastft.reference import routing as reference
 
 pytestmark = pytest.mark.gpu
@@ -13,9 +14,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("block_size", [1, 128])
-def test_model_shapes_match_reference(name, block_size):
+def test_model_shapes_match_reference(name, block_size, rng):
     experts, top_k, hidden = SHAPES[name]
-    g = torch.Generator().manual_seed(torch.seed() % 2**63)
+    g = rng
     case = testing.random_routing_case(g, "cuda", 8)
     ids = router_ids(16384, experts, top_k, "cuda", seed=int(torch.randint(0, 2**31, (1,), generator=g)))
     ids[torch.rand(ids.shape, device="cuda") < 0.01] = -1  # a few dropped pairs
@@ -28,14 +29,14 @@ def test_model_shapes_match_reference(name, block_size):
     testing.check_routing_case(case)
 
 
-def test_random_cases_at_gpu_sizes():
-    g = torch.Generator().manual_seed(torch.seed() % 2**63)
+def test_random_cases_at_gpu_sizes(rng):
+    g = rng
     for _ in range(30):
         testing.check_routing(g, "cuda", 20000)
 
 
-def test_expert_parallel_map():
-    g = torch.Generator().manual_seed(torch.seed() % 2**63)
+def test_expert_parallel_map(rng):
+    g = rng
     ids = router_ids(8192, 256, 8, "cuda", seed=3)
     emap = torch.full((256,), -1, dtype=torch.int32)
     emap[64:96] = torch.arange(32, dtype=torch.int32)  # this rank owns global experts 64..95
@@ -59,15 +60,11 @@ def test_no_host_sync_forward_and_backward():
     x = torch.randn(4096, 256, device="cuda", requires_grad=True)
     w = torch.rand(4096, 8, device="cuda", requires_grad=True)
     _moe_step(ids, x, w, 128, 128)  # compiles the kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for backend in ("triton", "torch"):
             r = fastft.moe_route(ids, 128, block_size=128, backend=backend)
             y = fastft.moe_unpermute(fastft.moe_permute(x, r) * 2, r, w)
             y.sum().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_route_is_two_launches():

@@ -27,38 +27,14 @@ import types
 import torch
 import torch.nn.functional as F
 
-# name -> (config class, config fields, layers kept on a GPU). gpt-oss runs 4096 tokens: its attention sinks
-# need the eager attention, whose [heads, T, T] scores do not fit at 16k tokens.
-MODELS = {
-    "Llama-3.2-1B": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True), 16),
-    "Qwen3-0.6B": ("Qwen3Config", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True), 28),
-    "Qwen3-8B": ("Qwen3Config", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                                     num_key_value_heads=8, head_dim=128, vocab_size=151936), 8),
-    "Qwen3-30B-A3B": ("Qwen3MoeConfig", dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
-                                             num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
-                                             num_key_value_heads=4, head_dim=128, vocab_size=151936, decoder_sparse_step=1), 4),
-    "gpt-oss-20b": ("GptOssConfig", dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
-                                         num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                                         vocab_size=201088, sliding_window=128), 4),
-}
+from fastft.testing import MODEL_CONFIGS as MODELS
+from fastft.testing import sft_lengths
+
 TINY = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_local_experts=8,
             num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, sliding_window=16)
 COLUMNS = ("naive glue", "stock sdpa", "stock flex", "fastft, peft lora", "fastft")
 GPU_ONLY = ("stock flex",)
 TOKENS = {"gpt-oss-20b": 4096}
-
-
-def sft_lengths(total: int, seed: int = 0, median: int = 380, max_len: int = 4096) -> list[int]:
-    """Document lengths, log-normal around ``median`` (sigma 1, as chat SFT sets are), summing to ``total``."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = []
-    while sum(lengths) < total:
-        n = int(math.exp(math.log(median) + torch.randn((), generator=g).item()))
-        lengths.append(max(16, min(max_len, n)))
-    lengths[-1] -= sum(lengths) - total
-    return [n for n in lengths if n > 0]
 
 
 def _naive_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):

@@ -8,17 +8,9 @@ import fastft
 from fastft import dispatch, packing
 from fastft.reference import packing as reference
 from fastft.testing import BLOCK_MASK_FIELDS, assert_same
+from fastft.testing import packed_position_ids as documents
 
 from .common import Row, host_us, time_ms, write_bandwidth_ms
-
-
-def documents(num_tokens: int, num_docs: int, device, rows: int | None = None) -> torch.Tensor:
-    """Position ids of ``num_docs`` documents of random lengths (fixed seed) filling ``num_tokens``."""
-    g = torch.Generator().manual_seed(num_tokens * 31 + num_docs)
-    cuts = torch.randperm(num_tokens - 1, generator=g)[: num_docs - 1].add(1).sort().values
-    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([num_tokens])])
-    pos = torch.arange(num_tokens) - torch.repeat_interleave(cu[:-1], cu.diff())
-    return pos.to(device) if rows is None else pos.expand(rows, -1).contiguous().to(device)
 
 
 def naive_boundaries(position_ids: torch.Tensor):

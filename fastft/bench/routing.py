@@ -9,23 +9,12 @@ from fastft import dispatch, routing
 from fastft.reference import routing as reference
 from fastft.testing import assert_same, routing_fields
 
+from fastft.testing import MOE_SHAPES as SHAPES
+from fastft.testing import router_ids
+
 from .common import Row, graph_ms, host_us, time_ms
 
 # name -> (experts, top_k, hidden)
-SHAPES = {
-    "gpt-oss-20b": (32, 4, 2880),
-    "gpt-oss-120b": (128, 4, 2880),
-    "Qwen3-30B-A3B": (128, 8, 2048),
-    "DeepSeek-V3": (256, 8, 7168),
-}
-
-
-def router_ids(tokens: int, experts: int, top_k: int, device, seed: int = 0) -> torch.Tensor:
-    """Top-k of random router logits: K distinct experts per token, as a real router gives."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    return torch.rand(tokens, experts, generator=g, device=device).topk(top_k, dim=1).indices
-
-
 def torch_route(ids: torch.Tensor, experts: int):
     """The glue fastft replaces: a stable argsort, bincount (which syncs) and cumsum."""
     flat = ids.reshape(-1)
