@@ -7,7 +7,9 @@ from pathlib import Path as _Path
 if _ilu.find_spec(__name__ + ".kernels") is None:
     # Source checkout (not installed): kernels/ beside this package is fastft.kernels, as an install maps it.
     _dir = _Path(__file__).resolve().parent.parent / "kernels"
-    _spec = _ilu.spec_from_file_location(__name__ + ".kernels", _dir / "__init__.py", submodule_search_locations=[str(_dir)])
+    _spec = _ilu.spec_from_file_location(
+        __name__ + ".kernels", _dir / "__init__.py", submodule_search_locations=[str(_dir)]
+    )
     _sys.modules[_spec.name] = _mod = _ilu.module_from_spec(_spec)
     _spec.loader.exec_module(_mod)
 
@@ -18,9 +20,20 @@ from .offload import OffloadConfig, offloaded_checkpoint  # noqa: E402
 from .packing import PackedSeqInfo, document_mask_mod, packed_seq_info  # noqa: E402
 from .routing import MoERouting, moe_expert_rows, moe_permute, moe_route, moe_unpermute  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
-    "PackedSeqInfo", "document_mask_mod", "packed_seq_info", "packed_attention", "dispatch",
-    "MoERouting", "moe_route", "moe_permute", "moe_unpermute", "moe_expert_rows",
-    "copy", "OffloadConfig", "offloaded_checkpoint", "lora_linear",
+    "PackedSeqInfo",
+    "document_mask_mod",
+    "packed_seq_info",
+    "packed_attention",
+    "dispatch",
+    "MoERouting",
+    "moe_route",
+    "moe_permute",
+    "moe_unpermute",
+    "moe_expert_rows",
+    "copy",
+    "OffloadConfig",
+    "offloaded_checkpoint",
+    "lora_linear",
 ]

@@ -63,20 +63,30 @@ def _versions() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version, "fastft": fastft.__version__}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "fastft": fastft.__version__,
+    }
 
 
 def _describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} ({capabilities.arch(device)})"
-    return f"{platform.processor() or platform.machine()} CPU" + (" (Triton interpreter)" if capabilities.interpreting() else "")
+    return f"{platform.processor() or platform.machine()} CPU" + (
+        " (Triton interpreter)" if capabilities.interpreting() else ""
+    )
 
 
 def cmd_info(args) -> int:
     device = _device(args.device)
     print(f"device: {_describe(device)}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in _versions().items()))
-    print(f"FASTFT_BACKEND={os.environ.get('FASTFT_BACKEND', 'auto')}  TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+    print(
+        f"FASTFT_BACKEND={os.environ.get('FASTFT_BACKEND', 'auto')}  "
+        f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}"
+    )
     print(f"autotune cache: {autotune.cache_path(capabilities.arch(device))}")
     for op in sorted(dispatch.OPS):
         _, hit = autotune.lookup(op, device, 16384)
@@ -90,7 +100,10 @@ def cmd_check(args) -> int:
     device = _device(args.device)
     max_tokens = args.max_tokens if args.max_tokens is not None else (2048 if device.type == "cuda" else 96)
     g = torch.Generator().manual_seed(args.seed if args.seed is not None else int(time.time_ns() % 2**62))
-    print(f"check on {_describe(device)}: triton vs torch, up to {max_tokens} tokens, {args.seconds}s, seed {g.initial_seed()}")
+    print(
+        f"check on {_describe(device)}: triton vs torch, up to {max_tokens} tokens, {args.seconds}s, "
+        f"seed {g.initial_seed()}"
+    )
     runs = failures = 0
     deadline = time.monotonic() + args.seconds
     while time.monotonic() < deadline or runs == 0:
@@ -108,15 +121,26 @@ def cmd_check(args) -> int:
 def _bench_modules(names):
     from fastft.bench import attention, copy, lora, offload, offloader, packing, routing, transformers
 
-    modules = {"packing": packing, "routing": routing, "attention": attention, "copy": copy, "offloader": offloader,
-               "offload": offload, "lora": lora, "transformers": transformers}
+    modules = {
+        "packing": packing,
+        "routing": routing,
+        "attention": attention,
+        "copy": copy,
+        "offloader": offloader,
+        "offload": offload,
+        "lora": lora,
+        "transformers": transformers,
+    }
     return {name: modules[name] for name in (names or modules)}
 
 
 def _record(device, rows) -> dict:
     return {
-        "date": datetime.date.today().isoformat(), "device": _describe(device), "versions": _versions(),
-        "command": " ".join(["python -m fastft"] + sys.argv[1:]), "rows": rows,
+        "date": datetime.date.today().isoformat(),
+        "device": _describe(device),
+        "versions": _versions(),
+        "command": " ".join(["python -m fastft"] + sys.argv[1:]),
+        "rows": rows,
     }
 
 
@@ -145,7 +169,10 @@ def cmd_bench(args) -> int:
 
     device = _device(args.device)
     quick = args.quick or device.type != "cuda"
-    print(f"bench on {_describe(device)}" + ("  [CPU: small sizes, numbers not representative]" if device.type != "cuda" else ""))
+    print(
+        f"bench on {_describe(device)}"
+        + ("  [CPU: small sizes, numbers not representative]" if device.type != "cuda" else "")
+    )
     if args.e2e:
         return cmd_bench_e2e(args, device)
     rows = []
@@ -185,7 +212,11 @@ def cmd_tune(args) -> int:
             best_ms, best = min(timed, key=lambda x: x[0])
             results[op][str(autotune.bucket(size))] = best
             print(f"{op:28s} size={size:8d} best {best} {best_ms:.4f} ms (of {len(candidates)})")
-    meta = {"device": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(), "versions": _versions()}
+    meta = {
+        "device": torch.cuda.get_device_name(device),
+        "date": datetime.date.today().isoformat(),
+        "versions": _versions(),
+    }
     print(f"wrote {autotune.write(capabilities.arch(device), results, meta)}")
     return 0
 
@@ -208,20 +239,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="differential fuzz: triton vs torch on random inputs")
     p.add_argument("--seconds", type=_positive(float), default=10.0, help="how long to draw cases (default 10)")
     p.add_argument("--seed", type=int, help="generator seed (default: drawn and printed)")
-    p.add_argument("--max-tokens", type=_positive(int), help="largest token count drawn (default 2048 on a GPU, 96 on a CPU)")
+    p.add_argument(
+        "--max-tokens", type=_positive(int), help="largest token count drawn (default 2048 on a GPU, 96 on a CPU)"
+    )
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("bench", help="baseline vs fastft, median times and ratios")
     p.add_argument("--quick", action="store_true", help="small sizes (always on without a GPU)")
     p.add_argument("--json", help="also write the results to this file (with --e2e, a PNG chart beside it)")
-    p.add_argument("--e2e", action="store_true", help="end-to-end fine-tuning steps of transformers models (the main job)")
-    p.add_argument("--model", action="append", choices=list(MODELS), metavar="NAME",
-                   help="with --e2e: only this model (repeatable); one of " + ", ".join(MODELS))
+    p.add_argument(
+        "--e2e", action="store_true", help="end-to-end fine-tuning steps of transformers models (the main job)"
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        choices=list(MODELS),
+        metavar="NAME",
+        help="with --e2e: only this model (repeatable); one of " + ", ".join(MODELS),
+    )
     p.set_defaults(fn=cmd_bench, usage_error=p.error)
     p = sub.add_parser("tune", help="measure launch parameters and rewrite autotune_cache/<arch>.json")
     p.set_defaults(fn=cmd_tune)
     for name in ("bench", "tune"):
         sub.choices[name].add_argument(
-            "--only", action="append", choices=list(BENCH_FAMILIES),
+            "--only",
+            action="append",
+            choices=list(BENCH_FAMILIES),
             help="only these op families (repeatable)",
         )
     for p in sub.choices.values():

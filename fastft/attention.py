@@ -52,8 +52,19 @@ class _SinkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_seqlens, max_seqlen, scale, left):
         out, lse = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False,
-            scale=scale, window_size_left=left, window_size_right=0,
+            q,
+            k,
+            v,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            0.0,
+            True,
+            False,
+            scale=scale,
+            window_size_left=left,
+            window_size_right=0,
         )[:2]
         keep = torch.sigmoid(lse - sinks.float()[:, None]).T[:, :, None]  # [N, H, 1]
         y = (out * keep).to(q.dtype)
@@ -67,8 +78,23 @@ class _SinkAttention(torch.autograd.Function):
         max_seqlen, scale, left, sinks_dtype = ctx.args
         no_rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout is 0: no random state
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            (dy * keep).to(q.dtype), q, k, v, y, lse, cu, cu, max_seqlen, max_seqlen, 0.0, True, no_rng,
-            torch.empty(0, device=q.device), scale=scale, window_size_left=left, window_size_right=0,
+            (dy * keep).to(q.dtype),
+            q,
+            k,
+            v,
+            y,
+            lse,
+            cu,
+            cu,
+            max_seqlen,
+            max_seqlen,
+            0.0,
+            True,
+            no_rng,
+            torch.empty(0, device=q.device),
+            scale=scale,
+            window_size_left=left,
+            window_size_right=0,
         )
         dsinks = None
         if ctx.needs_input_grad[3]:
@@ -130,8 +156,13 @@ def _dense(q, k, v, info, window, sinks, scale, dropout_p):
     else:
         mask = info.sdpa_mask(window=window) if rows else reference_packing.sdpa_mask(doc, window or 0, torch.bool)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, dropout_p=dropout_p,
-            scale=scale, enable_gqa=k.shape[2] != q.shape[2],
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=k.shape[2] != q.shape[2],
         ).transpose(1, 2)
     return out.reshape(b, t, *out.shape[2:]).contiguous()
 
@@ -166,9 +197,13 @@ def _check(q, k, v, info, window, sinks, scale, dropout_p, backend) -> None:
         int_arg("window", window)
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
-            raise TypeError(f"sinks must be a floating tensor or None, got {getattr(sinks, 'dtype', type(sinks).__name__)}")
+            raise TypeError(
+                f"sinks must be a floating tensor or None, got {getattr(sinks, 'dtype', type(sinks).__name__)}"
+            )
         if sinks.shape != (q.shape[-2],) or sinks.device != q.device:
-            raise ValueError(f"sinks must be [H={q.shape[-2]}] on {q.device}, got {tuple(sinks.shape)} on {sinks.device}")
+            raise ValueError(
+                f"sinks must be [H={q.shape[-2]}] on {q.device}, got {tuple(sinks.shape)} on {sinks.device}"
+            )
     if scale is not None:
         number_arg("scale", scale)
     if not 0 <= number_arg("dropout_p", dropout_p) < 1:
@@ -178,8 +213,16 @@ def _check(q, k, v, info, window, sinks, scale, dropout_p, backend) -> None:
 
 
 def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: PackedSeqInfo, *, window: int | None = None,
-    sinks: torch.Tensor | None = None, scale: float | None = None, dropout_p: float = 0.0, backend: str | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    info: PackedSeqInfo,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Causal attention inside each document of ``info``; returns q's shape, ``[B, T, H, D]`` (or ``[T, H, D]``).
 

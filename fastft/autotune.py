@@ -28,7 +28,6 @@ from . import capabilities
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Tunable:
     """One kernel's launch parameters: what it runs with and what ``tune`` tries."""
@@ -68,7 +67,7 @@ def bucket(size: int) -> int:
     return 1 << max(0, int(size) - 1).bit_length()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(path: str) -> dict:
     try:
         with open(path) as f:

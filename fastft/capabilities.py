@@ -67,6 +67,10 @@ BLOCK_MASK_TAKES_Q_TABLES = _block_mask_takes_q_tables()
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` multiplies these: CUDA bf16 with 16-byte aligned rows."""
     return (
-        hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == weight.dtype == torch.bfloat16
-        and x.shape[-1] % 8 == 0 and weight.shape[-1] % 8 == 0 and weight.shape[-2] % 8 == 0
+        hasattr(torch, "_grouped_mm")
+        and x.is_cuda
+        and x.dtype == weight.dtype == torch.bfloat16
+        and x.shape[-1] % 8 == 0
+        and weight.shape[-1] % 8 == 0
+        and weight.shape[-2] % 8 == 0
     )

@@ -40,7 +40,7 @@ class PackLayout:
     nbytes: int  # buffer size: the last entry's end
 
     @staticmethod
-    def of(tensors) -> "PackLayout":
+    def of(tensors) -> PackLayout:
         entries, offset = [], 0
         for t in tensors:
             nbytes = t.numel() * t.element_size()
@@ -106,12 +106,14 @@ def pack(tensors, *, out: torch.Tensor | None = None, backend: str | None = None
     elif not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1 or out.device != device:
         raise ValueError(f"out must be a 1-D uint8 tensor on {device}")
     elif out.numel() < layout.nbytes or not out.is_contiguous() or out.data_ptr() % ALIGN:
-        raise ValueError(f"out must be contiguous, {ALIGN}-byte aligned and hold {layout.nbytes} bytes, got {out.numel()}")
+        raise ValueError(
+            f"out must be contiguous, {ALIGN}-byte aligned and hold {layout.nbytes} bytes, got {out.numel()}"
+        )
     chosen = dispatch.backend_for(OP_PACK, device, backend) if tensors else "torch"
     if chosen == "torch":
         return reference.pack(tensors, layout, out), layout
     for t, entry in zip(tensors, layout.entries):
-        region = out[entry.offset:entry.offset + entry.nbytes].view(t.dtype).view(t.shape)
+        region = out[entry.offset : entry.offset + entry.nbytes].view(t.dtype).view(t.shape)
         _copy(t, region, OP_PACK, chosen)
     return out, layout
 
@@ -125,11 +127,14 @@ def unpack(buffer: torch.Tensor, layout: PackLayout, *, out=None, backend: str |
     if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
         raise ValueError("buffer must be a 1-D uint8 tensor")
     if buffer.numel() < layout.nbytes or not buffer.is_contiguous() or buffer.data_ptr() % ALIGN:
-        raise ValueError(f"buffer must be contiguous, {ALIGN}-byte aligned and hold {layout.nbytes} bytes, got {buffer.numel()}")
+        raise ValueError(
+            f"buffer must be contiguous, {ALIGN}-byte aligned and hold {layout.nbytes} bytes, got {buffer.numel()}"
+        )
     if out is None:
         out = [
             torch.empty_strided(e.shape, e.stride, dtype=e.dtype, device=buffer.device)
-            if non_overlapping(e.shape, e.stride) else torch.empty(e.shape, dtype=e.dtype, device=buffer.device)
+            if non_overlapping(e.shape, e.stride)
+            else torch.empty(e.shape, dtype=e.dtype, device=buffer.device)
             for e in layout.entries
         ]
     else:
@@ -138,12 +143,15 @@ def unpack(buffer: torch.Tensor, layout: PackLayout, *, out=None, backend: str |
             raise ValueError(f"out has {len(out)} tensors, the layout {len(layout.entries)}")
         for i, (o, e) in enumerate(zip(out, layout.entries)):
             if tuple(o.shape) != e.shape or o.dtype != e.dtype or o.device != buffer.device:
-                raise ValueError(f"out[{i}] must be {e.dtype} {list(e.shape)} on {buffer.device}, got {o.dtype} {list(o.shape)} on {o.device}")
+                raise ValueError(
+                    f"out[{i}] must be {e.dtype} {list(e.shape)} on {buffer.device}, "
+                    f"got {o.dtype} {list(o.shape)} on {o.device}"
+                )
             if not non_overlapping(o.shape, o.stride()):
                 raise ValueError(f"out[{i}] has overlapping strides {o.stride()}")
     chosen = dispatch.backend_for(OP_UNPACK, buffer.device, backend) if out else "torch"
     if chosen == "torch":
         return reference.unpack(buffer, layout, out)
     for o, e in zip(out, layout.entries):
-        _copy(buffer[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape), o, OP_UNPACK, chosen)
+        _copy(buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape), o, OP_UNPACK, chosen)
     return out

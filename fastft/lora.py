@@ -16,9 +16,9 @@ frozen: ``lora_linear`` raises if they require grad.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ._checks import number_arg
-import torch.nn.functional as F
 
 
 class _LoRALinear(torch.autograd.Function):
@@ -52,15 +52,23 @@ class _LoRALinear(torch.autograd.Function):
         return dx, None, None, da, db, None
 
 
-def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
-                lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
     """``x @ weight.T + bias + scaling * (x @ lora_a.T) @ lora_b.T`` in ``x``'s dtype, differentiable in
     ``x``, ``lora_a`` and ``lora_b``.
 
     ``x``: ``[..., in]`` floating; ``weight``: ``[out, in]`` frozen, ``x``'s dtype; ``bias``: ``[out]`` frozen
     or None; ``lora_a``: ``[r, in]``; ``lora_b``: ``[out, r]``; ``scaling``: a Python number. All on one device.
     """
-    for name, t in (("x", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)) + ((("bias", bias),) if bias is not None else ()):
+    for name, t in (("x", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)) + (
+        (("bias", bias),) if bias is not None else ()
+    ):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if not t.is_floating_point():
@@ -68,18 +76,26 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}: all must be on one device")
     if weight.dim() != 2 or lora_a.dim() != 2 or lora_b.dim() != 2 or x.dim() < 1:
-        raise ValueError(f"expected weight [out, in], lora_a [r, in], lora_b [out, r], x [..., in]; got weight {tuple(weight.shape)}, "
-                         f"lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}, x {tuple(x.shape)}")
+        raise ValueError(
+            "expected weight [out, in], lora_a [r, in], lora_b [out, r], x [..., in]; "
+            f"got weight {tuple(weight.shape)}, "
+            f"lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}, x {tuple(x.shape)}"
+        )
     out_features, in_features = weight.shape
     rank = lora_a.shape[0]
     if x.shape[-1] != in_features or lora_a.shape[1] != in_features:
-        raise ValueError(f"x [..., {x.shape[-1]}] and lora_a [r, {lora_a.shape[1]}] must match weight's in features {in_features}")
+        raise ValueError(
+            f"x [..., {x.shape[-1]}] and lora_a [r, {lora_a.shape[1]}] must match weight's in features {in_features}"
+        )
     if lora_b.shape != (out_features, rank):
         raise ValueError(f"lora_b must be [out, r] = [{out_features}, {rank}], got {tuple(lora_b.shape)}")
     if bias is not None and bias.shape != (out_features,):
         raise ValueError(f"bias must be [{out_features}], got {tuple(bias.shape)}")
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise TypeError(f"weight and bias must have x's dtype {x.dtype}, got {weight.dtype}" + (f" and {bias.dtype}" if bias is not None else ""))
+        raise TypeError(
+            f"weight and bias must have x's dtype {x.dtype}, got {weight.dtype}"
+            + (f" and {bias.dtype}" if bias is not None else "")
+        )
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise ValueError("lora_linear takes a frozen base layer: weight and bias must not require grad")
     return _LoRALinear.apply(x, weight, bias, lora_a, lora_b, number_arg("scaling", scaling))

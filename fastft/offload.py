@@ -36,7 +36,9 @@ def _env_choice(name: str):
     value = os.environ.get(name)
     if value is None:
         return None
-    parsed = {"auto": "auto", "1": True, "true": True, "on": True, "0": False, "false": False, "off": False}.get(value.lower())
+    parsed = {"auto": "auto", "1": True, "true": True, "on": True, "0": False, "false": False, "off": False}.get(
+        value.lower()
+    )
     if parsed is None:
         raise ValueError(f"{name} must be one of auto, 1, 0 (or true/false, on/off), got {value!r}")
     return parsed
@@ -127,8 +129,14 @@ class _SavedInput:
 
 
 def offloaded_checkpoint(
-    function, *args, preserve_rng_state: bool = True, offload_config: OffloadConfig | None = None,
-    use_reentrant: bool | None = None, context_fn=None, determinism_check: str = "default", debug: bool = False,
+    function,
+    *args,
+    preserve_rng_state: bool = True,
+    offload_config: OffloadConfig | None = None,
+    use_reentrant: bool | None = None,
+    context_fn=None,
+    determinism_check: str = "default",
+    debug: bool = False,
     **kwargs,
 ):
     """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)`` whose first
@@ -141,7 +149,9 @@ def offloaded_checkpoint(
         raise ValueError("offloaded_checkpoint is non-reentrant; use_reentrant must be False or None")
     if offload_config is not None and not isinstance(offload_config, OffloadConfig):
         raise TypeError(f"offload_config must be a fastft.OffloadConfig or None, got {type(offload_config).__name__}")
-    options = dict(use_reentrant=False, preserve_rng_state=preserve_rng_state, determinism_check=determinism_check, debug=debug)
+    options = dict(
+        use_reentrant=False, preserve_rng_state=preserve_rng_state, determinism_check=determinism_check, debug=debug
+    )
     if context_fn is not None:
         options["context_fn"] = context_fn
     if not torch.is_grad_enabled():  # no_grad / inference_mode: nothing is saved, nothing to offload

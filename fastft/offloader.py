@@ -23,7 +23,6 @@ import torch
 from ._checks import int_arg
 from .copy import ALIGN, PackLayout, dense, pack, unpack
 
-
 # ---- host memory ------------------------------------------------------------------------------------------
 
 
@@ -71,7 +70,12 @@ class PinnedPool:
             error = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
             if int(error) != 0:
                 self.pinned = False
-                warnings.warn(f"fastft: page-locking {nbytes} bytes of host memory failed (CUDA error {int(error)}); offloading to pageable memory, which copies several times slower", RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    f"fastft: page-locking {nbytes} bytes of host memory failed (CUDA error {int(error)}); "
+                    "offloading to pageable memory, which copies several times slower",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
             else:
                 # memory freed while still registered would leave the driver a stale mapping for later
                 # allocations at those addresses: unregister when the buffer dies
@@ -118,7 +122,7 @@ class HostCopy:
         # the copy the same Offloader made just before this one (weakly: None once it is gone)
         self.prev: weakref.ref | None = None
 
-    def previous(self) -> "HostCopy | None":
+    def previous(self) -> HostCopy | None:
         """The copy offloaded just before this one by the same Offloader, if it is still alive."""
         return self.prev() if self.prev is not None else None
 
@@ -126,7 +130,9 @@ class HostCopy:
 class Reload:
     """An issued host->device copy. ``wait()`` makes the current stream wait for it and returns the tensor."""
 
-    def __init__(self, saved: HostCopy, buffer, event, timeline: list | None, on_device: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, saved: HostCopy, buffer, event, timeline: list | None, on_device: torch.Tensor | None = None
+    ) -> None:
         self.buffer, self.event, self._timeline = buffer, event, timeline
         self._on_device = on_device  # the offloaded tensor itself: no copy was needed
         self.saved = weakref.ref(saved)  # not kept alive by a ticket: its pinned buffer returns to the pool
@@ -145,7 +151,7 @@ class Reload:
             stream.wait_event(self.event)
             after.record(stream)
             self._timeline.append(("stall", before, after))
-        data = self.buffer[:self.nbytes]
+        data = self.buffer[: self.nbytes]
         if self.layout is None:
             return data.view(self.dtype).as_strided(self.shape, self.stride)
         return unpack(data, self.layout)[0]
@@ -280,7 +286,7 @@ class Offloader:
                 if timeline is not None:
                     start = torch.cuda.Event(enable_timing=True)
                     start.record()
-                buffer[:saved.nbytes].copy_(saved.host[:saved.nbytes], non_blocking=True)
+                buffer[: saved.nbytes].copy_(saved.host[: saved.nbytes], non_blocking=True)
                 event.record()
             if timeline is not None:
                 timeline.append(("copy", start, event))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import os
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -38,12 +38,30 @@ OP_FROM_CU_SEQLENS = dispatch.register("packing.from_cu_seqlens")
 OP_SDPA_MASK = dispatch.register("packing.sdpa_mask")
 OP_BLOCK_TABLES = dispatch.register("packing.block_tables")
 
-autotune.register(OP_BOUNDARIES, autotune.Tunable({"BLOCK": 1024, "num_warps": 4}, (16384, 131072, 1048576),
-                                   {"BLOCK": [512, 1024, 2048, 4096], "num_warps": [4, 8]}))
-autotune.register(OP_FROM_CU_SEQLENS, autotune.Tunable({"BLOCK": 1024, "num_warps": 4}, (16384, 131072, 1048576),
-                                        {"BLOCK": [256, 512, 1024, 2048], "num_warps": [2, 4, 8]}))
-autotune.register(OP_SDPA_MASK, autotune.Tunable({"BLOCK_Q": 32, "BLOCK_K": 256, "num_warps": 4}, (4096, 16384),
-                                  {"BLOCK_Q": [8, 16, 32, 64], "BLOCK_K": [128, 256, 512], "num_warps": [4, 8]}))
+autotune.register(
+    OP_BOUNDARIES,
+    autotune.Tunable(
+        {"BLOCK": 1024, "num_warps": 4},
+        (16384, 131072, 1048576),
+        {"BLOCK": [512, 1024, 2048, 4096], "num_warps": [4, 8]},
+    ),
+)
+autotune.register(
+    OP_FROM_CU_SEQLENS,
+    autotune.Tunable(
+        {"BLOCK": 1024, "num_warps": 4},
+        (16384, 131072, 1048576),
+        {"BLOCK": [256, 512, 1024, 2048], "num_warps": [2, 4, 8]},
+    ),
+)
+autotune.register(
+    OP_SDPA_MASK,
+    autotune.Tunable(
+        {"BLOCK_Q": 32, "BLOCK_K": 256, "num_warps": 4},
+        (4096, 16384),
+        {"BLOCK_Q": [8, 16, 32, 64], "BLOCK_K": [128, 256, 512], "num_warps": [4, 8]},
+    ),
+)
 autotune.register(OP_BLOCK_TABLES, autotune.Tunable({"num_warps": 4}, (32768, 131072), {"num_warps": [1, 2, 4, 8]}))
 
 _INT32_MAX = 2**31 - 1
@@ -52,14 +70,15 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8) +
 )
 
 
-
 # ---- custom ops (opaque to torch.compile), with fake impls that give the output shapes -----------------
 # The ``*_op`` functions are fastft's internal op layer: one kernel (or its reference) per call, on the
 # backend named by the caller, with no validation. Benchmarks and tests call them to time or check a kernel.
 
 
 @custom_op("fastft::packing_boundaries")
-def boundaries_op(position_ids: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def boundaries_op(
+    position_ids: torch.Tensor, backend: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "torch":
         return reference.boundaries_from_position_ids(position_ids)
     from .kernels import packing as kernels
@@ -91,7 +110,9 @@ def from_cu_seqlens_op(cu_seqlens: torch.Tensor, num_tokens: int, backend: str) 
 
 @from_cu_seqlens_op.register_fake
 def _(cu_seqlens, num_tokens, backend):
-    return cu_seqlens.new_empty((num_tokens,), dtype=torch.int32), cu_seqlens.new_empty((num_tokens,), dtype=torch.int64)
+    return cu_seqlens.new_empty((num_tokens,), dtype=torch.int32), cu_seqlens.new_empty(
+        (num_tokens,), dtype=torch.int64
+    )
 
 
 @custom_op("fastft::packing_sdpa_mask")
@@ -111,7 +132,9 @@ def _(doc_ids, window, dtype, backend):
 
 
 @custom_op("fastft::packing_block_tables")
-def block_tables_op(doc_ids: torch.Tensor, window: int, block_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def block_tables_op(
+    doc_ids: torch.Tensor, window: int, block_size: int, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(num [4, B, 1, nb], idx [4, B, 1, nb, nb]): the 8 tables; index 0-3 = kv partial, kv full, q partial,
     q full."""
     if backend == "torch":
@@ -184,9 +207,7 @@ class PackedSeqInfo:
         starts, summary = self._pending
         num_seqs, longest = summary.tolist()
         cu = starts[: num_seqs + 1]
-        self._memo.update(
-            cu_seqlens=cu, seq_lengths=cu[1:] - cu[:-1], max_seqlen=int(longest), num_seqs=int(num_seqs)
-        )
+        self._memo.update(cu_seqlens=cu, seq_lengths=cu[1:] - cu[:-1], max_seqlen=int(longest), num_seqs=int(num_seqs))
 
     def _get(self, name):
         if name not in self._memo:
@@ -262,7 +283,9 @@ def document_mask_mod(doc_ids: torch.Tensor, window: int | None = None):
     if not isinstance(doc_ids, torch.Tensor):
         raise TypeError(f"doc_ids must be a [B, T] integer tensor, got {type(doc_ids).__name__}")
     if doc_ids.dim() != 2 or doc_ids.dtype not in _INT_DTYPES:
-        raise ValueError(f"doc_ids must be a [B, T] integer tensor, got {doc_ids.dtype} of shape {tuple(doc_ids.shape)}")
+        raise ValueError(
+            f"doc_ids must be a [B, T] integer tensor, got {doc_ids.dtype} of shape {tuple(doc_ids.shape)}"
+        )
     w = _window(window)
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -288,7 +311,12 @@ def make_block_mask(tables, doc_ids, window, block_size):
     if not capabilities.BLOCK_MASK_TAKES_Q_TABLES:
         return BlockMask.from_kv_blocks(*kv, **kwargs)
     mask = BlockMask.from_kv_blocks(*kv, compute_q_blocks=False, **kwargs)
-    mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices = q_num, q_idx, q_full_num, q_full_idx
+    mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices = (
+        q_num,
+        q_idx,
+        q_full_num,
+        q_full_idx,
+    )
     return mask
 
 
@@ -306,7 +334,9 @@ def _lengths_key(name: str, value) -> tuple:
     """The validated lengths / cu_seqlens ``value`` (not a tensor) as a tuple of Python ints."""
     if isinstance(value, np.ndarray):
         if value.ndim != 1 or not (np.issubdtype(value.dtype, np.integer) and value.dtype != np.bool_):
-            raise ValueError(f"{name} as a numpy array must be 1-D with an integer dtype, got {value.ndim}-D {value.dtype}")
+            raise ValueError(
+                f"{name} as a numpy array must be 1-D with an integer dtype, got {value.ndim}-D {value.dtype}"
+            )
         return tuple(value.tolist())
     if not isinstance(value, (list, tuple)):
         raise ValueError(
@@ -314,7 +344,9 @@ def _lengths_key(name: str, value) -> tuple:
         )
     for v in value:
         if not is_int(v):
-            raise ValueError(f"{name} must be a list/tuple of ints (Python or numpy integers); it holds {type(v).__name__} {v!r}")
+            raise ValueError(
+                f"{name} must be a list/tuple of ints (Python or numpy integers); it holds {type(v).__name__} {v!r}"
+            )
     return tuple(int(v) for v in value)
 
 
@@ -375,7 +407,10 @@ def from_position_ids(position_ids: torch.Tensor, device, backend) -> PackedSeqI
     if n == 0:
         empty = torch.zeros(1, dtype=torch.int32, device=device)
         memo = {
-            "cu_seqlens": empty, "seq_lengths": empty[:0], "max_seqlen": 0, "num_seqs": 0,
+            "cu_seqlens": empty,
+            "seq_lengths": empty[:0],
+            "max_seqlen": 0,
+            "num_seqs": 0,
             "doc_ids": pos.new_empty(pos.shape, dtype=torch.int32),
             "position_ids": pos.new_empty(pos.shape, dtype=torch.int64),
         }

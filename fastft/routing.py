@@ -42,34 +42,57 @@ OP_EXPERT_ROWS_BACKWARD = "routing.expert_rows_backward"
 
 _WIDTHS = (2048, 2880, 7168)  # row widths tuned: Qwen3-30B-A3B, gpt-oss, DeepSeek-V3
 _ROWS_CPU = {"ROWS": 64, "BLOCK_H": 32}
-autotune.register(OP_ROUTE, autotune.Tunable(
-    {"BLOCK": 1024, "SLOT_BLOCK": 1024, "SCAN_E": 64, "num_warps": 8}, (32768, 131072, 524288),
-    {"BLOCK": [512, 1024, 2048], "SLOT_BLOCK": [1024, 4096], "SCAN_E": [64, 128], "num_warps": [4, 8]},
-    {"BLOCK": 64, "SLOT_BLOCK": 64},
-))
-autotune.register(OP_PERMUTE, autotune.Tunable(
-    {"ROWS": 2, "BLOCK_H": 1024, "PAD_ROWS": 256, "num_warps": 4}, _WIDTHS,
-    {"ROWS": [1, 2, 4], "BLOCK_H": [1024, 2048, 4096], "PAD_ROWS": [256], "num_warps": [4, 8]},
-    {**_ROWS_CPU, "PAD_ROWS": 128},
-))
-autotune.register(OP_UNPERMUTE, autotune.Tunable(
-    {"ROWS": 1, "BLOCK_H": 1024, "num_warps": 4}, _WIDTHS,
-    {"ROWS": [1, 2, 4], "BLOCK_H": [256, 512, 1024, 2048], "num_warps": [4, 8]}, _ROWS_CPU,
-))
-autotune.register(OP_PERMUTE_BACKWARD, autotune.Tunable(
-    {"ROWS": 1, "BLOCK_H": 1024, "num_warps": 4}, _WIDTHS,
-    {"ROWS": [1, 2, 4], "BLOCK_H": [256, 512, 1024, 2048], "num_warps": [4, 8]}, _ROWS_CPU,
-))
-autotune.register(OP_UNPERMUTE_BACKWARD, autotune.Tunable(
-    {"ROWS": 1, "BLOCK_H": 2048, "PAD_ROWS": 256, "num_warps": 4}, _WIDTHS,
-    {"ROWS": [1, 2], "BLOCK_H": [1024, 2048, 4096], "PAD_ROWS": [256], "num_warps": [4, 8]},
-    {**_ROWS_CPU, "PAD_ROWS": 128},
-))
+autotune.register(
+    OP_ROUTE,
+    autotune.Tunable(
+        {"BLOCK": 1024, "SLOT_BLOCK": 1024, "SCAN_E": 64, "num_warps": 8},
+        (32768, 131072, 524288),
+        {"BLOCK": [512, 1024, 2048], "SLOT_BLOCK": [1024, 4096], "SCAN_E": [64, 128], "num_warps": [4, 8]},
+        {"BLOCK": 64, "SLOT_BLOCK": 64},
+    ),
+)
+autotune.register(
+    OP_PERMUTE,
+    autotune.Tunable(
+        {"ROWS": 2, "BLOCK_H": 1024, "PAD_ROWS": 256, "num_warps": 4},
+        _WIDTHS,
+        {"ROWS": [1, 2, 4], "BLOCK_H": [1024, 2048, 4096], "PAD_ROWS": [256], "num_warps": [4, 8]},
+        {**_ROWS_CPU, "PAD_ROWS": 128},
+    ),
+)
+autotune.register(
+    OP_UNPERMUTE,
+    autotune.Tunable(
+        {"ROWS": 1, "BLOCK_H": 1024, "num_warps": 4},
+        _WIDTHS,
+        {"ROWS": [1, 2, 4], "BLOCK_H": [256, 512, 1024, 2048], "num_warps": [4, 8]},
+        _ROWS_CPU,
+    ),
+)
+autotune.register(
+    OP_PERMUTE_BACKWARD,
+    autotune.Tunable(
+        {"ROWS": 1, "BLOCK_H": 1024, "num_warps": 4},
+        _WIDTHS,
+        {"ROWS": [1, 2, 4], "BLOCK_H": [256, 512, 1024, 2048], "num_warps": [4, 8]},
+        _ROWS_CPU,
+    ),
+)
+autotune.register(
+    OP_UNPERMUTE_BACKWARD,
+    autotune.Tunable(
+        {"ROWS": 1, "BLOCK_H": 2048, "PAD_ROWS": 256, "num_warps": 4},
+        _WIDTHS,
+        {"ROWS": [1, 2], "BLOCK_H": [1024, 2048, 4096], "PAD_ROWS": [256], "num_warps": [4, 8]},
+        {**_ROWS_CPU, "PAD_ROWS": 128},
+    ),
+)
 autotune.register(OP_EXPERT_ROWS, autotune.Tunable({"ROWS": 2, "BLOCK_H": 1024, "num_warps": 4}, interpreter=_ROWS_CPU))
-autotune.register(OP_EXPERT_ROWS_BACKWARD, autotune.Tunable({"ROWS": 16, "BLOCK_H": 256, "num_warps": 4}, interpreter=_ROWS_CPU))
+autotune.register(
+    OP_EXPERT_ROWS_BACKWARD, autotune.Tunable({"ROWS": 16, "BLOCK_H": 256, "num_warps": 4}, interpreter=_ROWS_CPU)
+)
 
 _INT32_MAX = 2**31 - 1
-
 
 
 @functools.cache
@@ -105,8 +128,12 @@ def _pack(pieces) -> torch.Tensor:
 
 @custom_op("fastft::moe_route")
 def route_op(
-    topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map: Optional[torch.Tensor],
-    num_local_experts: int, backend: str,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_size: int,
+    expert_map: Optional[torch.Tensor],
+    num_local_experts: int,
+    backend: str,
 ) -> torch.Tensor:
     """One int32 buffer holding the six routing tensors (see ``_layout``): one allocation, one output."""
     t, k = topk_ids.shape
@@ -163,7 +190,11 @@ def _(ys, sorted_pair, inverse, weights, backend):
 
 @custom_op("fastft::moe_unpermute_backward")
 def unpermute_backward_op(
-    dy: torch.Tensor, ys: torch.Tensor, sorted_pair: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor,
+    dy: torch.Tensor,
+    ys: torch.Tensor,
+    sorted_pair: torch.Tensor,
+    inverse: torch.Tensor,
+    weights: torch.Tensor,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "torch":
@@ -179,8 +210,13 @@ def _(dy, ys, sorted_pair, inverse, weights, backend):
 
 @custom_op("fastft::moe_expert_rows")
 def expert_rows_op(
-    table: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block: torch.Tensor, counts: torch.Tensor,
-    padded_offsets: torch.Tensor, block_size: int, backend: str,
+    table: torch.Tensor,
+    sorted_pair: torch.Tensor,
+    expert_of_block: torch.Tensor,
+    counts: torch.Tensor,
+    padded_offsets: torch.Tensor,
+    block_size: int,
+    backend: str,
 ) -> torch.Tensor:
     if backend == "torch":
         return reference.expert_rows(table, sorted_pair, expert_of_block, block_size)
@@ -364,8 +400,20 @@ def moe_route(
     _making.route = True
     try:
         return MoERouting(
-            counts, offsets, padded, sorted_pair, inverse.view(t, k), expert_of_block, t, k, num_experts, num_local,
-            block_size, cap, backend, -1 if torch.compiler.is_compiling() or packed.is_inference() else packed._version,
+            counts,
+            offsets,
+            padded,
+            sorted_pair,
+            inverse.view(t, k),
+            expert_of_block,
+            t,
+            k,
+            num_experts,
+            num_local,
+            block_size,
+            cap,
+            backend,
+            -1 if torch.compiler.is_compiling() or packed.is_inference() else packed._version,
         )
     finally:
         _making.route = False
@@ -444,6 +492,11 @@ def moe_expert_rows(table: torch.Tensor, routing: MoERouting, *, backend: str | 
     _check_differentiable("table", table)
     chosen = dispatch.backend_for(OP_EXPERT_ROWS, table.device, backend if backend is not None else routing.backend)
     return expert_rows_op(
-        _unit_columns(table), routing.sorted_pair, routing.expert_of_block, routing.counts,
-        routing.padded_offsets, routing.block_size, chosen,
+        _unit_columns(table),
+        routing.sorted_pair,
+        routing.expert_of_block,
+        routing.counts,
+        routing.padded_offsets,
+        routing.block_size,
+        chosen,
     )

@@ -53,7 +53,9 @@ def assert_same(actual, expected, *, atol: float = 0.0, rtol: float = 0.0, path:
             raise AssertionError(f"{path}[{', '.join(map(str, index))}]: {x} != {y} ({count} elements differ)")
     elif dataclasses.is_dataclass(expected):
         for f in dataclasses.fields(expected):
-            assert_same(getattr(actual, f.name), getattr(expected, f.name), atol=atol, rtol=rtol, path=f"{path}.{f.name}")
+            assert_same(
+                getattr(actual, f.name), getattr(expected, f.name), atol=atol, rtol=rtol, path=f"{path}.{f.name}"
+            )
     elif isinstance(expected, dict):
         if set(actual) != set(expected):
             raise AssertionError(f"{path}: keys {sorted(map(str, actual))} != {sorted(map(str, expected))}")
@@ -123,8 +125,14 @@ def random_position_ids(
 
 
 BLOCK_MASK_FIELDS = (
-    "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-    "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
 )
 
 
@@ -178,8 +186,14 @@ def check_packing(g: torch.Generator, device, max_tokens: int) -> None:
 
 
 def random_topk_ids(
-    g: torch.Generator, tokens: int, top_k: int, num_experts: int, *, unrouted: float = 0.1,
-    dtype=torch.int64, strided: bool = False,
+    g: torch.Generator,
+    tokens: int,
+    top_k: int,
+    num_experts: int,
+    *,
+    unrouted: float = 0.1,
+    dtype=torch.int64,
+    strided: bool = False,
 ) -> torch.Tensor:
     """``[tokens, top_k]`` router ids: a few hot experts, duplicates within a row, and a fraction
     ``unrouted`` of out-of-range ids (-1, -7, num_experts, num_experts + 5). ``strided``: not contiguous."""
@@ -205,8 +219,13 @@ def random_routing_case(g: torch.Generator, device, max_tokens: int) -> dict:
     top_k = randint(g, 1, 8)
     num_experts = [1, 2, 3, 7, 8, 32, 100, 1030][randint(g, 0, 7)]
     ids = random_topk_ids(
-        g, tokens, top_k, num_experts, unrouted=[0.0, 0.1, 0.9][randint(g, 0, 2)],
-        dtype=torch.int32 if randint(g, 0, 1) else torch.int64, strided=bool(randint(g, 0, 1)),
+        g,
+        tokens,
+        top_k,
+        num_experts,
+        unrouted=[0.0, 0.1, 0.9][randint(g, 0, 2)],
+        dtype=torch.int32 if randint(g, 0, 1) else torch.int64,
+        strided=bool(randint(g, 0, 1)),
     ).to(device)
     options = {"num_experts": num_experts, "block_size": [1, 1, 2, 16, 128][randint(g, 0, 4)]}
     if randint(g, 0, 2) == 0:
@@ -220,8 +239,12 @@ def random_routing_case(g: torch.Generator, device, max_tokens: int) -> dict:
     data = torch.Generator().manual_seed(randint(g, 0, 2**62))
     rand = lambda *shape: torch.randn(*shape, generator=data).to(device, dtype)  # noqa: E731
     return dict(
-        topk_ids=ids, options=options, x=rand(tokens, hidden), weights=rand(tokens, top_k),
-        table=rand(local, randint(g, 1, 40)), seed=randint(g, 0, 2**62),
+        topk_ids=ids,
+        options=options,
+        x=rand(tokens, hidden),
+        weights=rand(tokens, top_k),
+        table=rand(local, randint(g, 1, 40)),
+        seed=randint(g, 0, 2**62),
     )
 
 
@@ -245,16 +268,23 @@ def routing_outputs(topk_ids, options, x, weights, table, seed, *, backend=None)
     (dys_plain,) = torch.autograd.grad(y_plain, ys, dy)
     (dtable,) = torch.autograd.grad(rows, table, drows)
     exact = {
-        **routing_fields(r), "permute": xs, "unpermute": y, "unpermute_unweighted": y_plain, "expert_rows": rows,
-        "dx": dx, "dys": dys, "dys_unweighted": dys_plain,
+        **routing_fields(r),
+        "permute": xs,
+        "unpermute": y,
+        "unpermute_unweighted": y_plain,
+        "expert_rows": rows,
+        "dx": dx,
+        "dys": dys,
+        "dys_unweighted": dys_plain,
     }
     return exact, {"dweights": dweights, "dtable": dtable}
 
 
 def check_routing_case(case: dict) -> None:
     """Triton vs torch on one ``random_routing_case``: integers and fixed-order sums exactly, the rest
-    within fp32 (1e-4) or bf16 (2e-2) tolerance plus 4 fp32 ulps per summed term. Triton's CPU interpreter truncates fp32 -> bf16 where a
-    GPU rounds to nearest even, so there bf16 results of fp32 sums may differ by one bf16 ulp."""
+    within fp32 (1e-4) or bf16 (2e-2) tolerance plus 4 fp32 ulps per summed term. Triton's CPU interpreter
+    truncates fp32 -> bf16 where a GPU rounds to nearest even, so there bf16 results of fp32 sums may differ
+    by one bf16 ulp."""
     try:
         got, expected = (routing_outputs(**case, backend=b) for b in ("triton", "torch"))
         bf16 = case["x"].dtype == torch.bfloat16
@@ -275,8 +305,16 @@ def check_routing(g: torch.Generator, device, max_tokens: int) -> None:
 # ---- copy (pack / unpack) ------------------------------------------------------------------------------------
 
 COPY_DTYPES = (
-    torch.bool, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-    torch.float32, torch.float64, torch.complex64,
+    torch.bool,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
 )
 
 
@@ -334,13 +372,15 @@ def check_copy_case(tensors, *, backend=None) -> None:
     ref, ref_layout = copy.pack(tensors, backend="torch")
     assert layout == ref_layout
     for i, e in enumerate(layout.entries):
-        assert_same(buf[e.offset:e.offset + e.nbytes], ref[e.offset:e.offset + e.nbytes], path=f"pack entry {i}")
+        assert_same(buf[e.offset : e.offset + e.nbytes], ref[e.offset : e.offset + e.nbytes], path=f"pack entry {i}")
     outs = copy.unpack(buf, layout, backend=backend)
     for i, (t, o) in enumerate(zip(tensors, outs)):
         assert_same(bits(o), bits(t), path=f"unpack[{i}]")
         if copy.non_overlapping(t.shape, t.stride()):
             assert o.stride() == t.stride() or o.numel() <= 1, f"unpack[{i}] strides {o.stride()} != {t.stride()}"
-    into = [torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device).permute(list(range(t.dim()))[::-1]) for t in tensors]
+    into = [
+        torch.empty(t.shape[::-1], dtype=t.dtype, device=t.device).permute(list(range(t.dim()))[::-1]) for t in tensors
+    ]
     outs = copy.unpack(buf, layout, out=into, backend=backend)
     for i, (t, o) in enumerate(zip(tensors, outs)):
         assert o is into[i]
@@ -354,11 +394,13 @@ def check_copy(g: torch.Generator, device, max_tokens: int) -> None:
 def random_lora_case(g: torch.Generator, device, dtype, bias: bool = True) -> tuple:
     """Arguments of ``fastft.lora.lora_linear`` of random sizes: ``x`` ``[2, n, in]`` of ``dtype`` (requires
     grad), frozen ``weight``/``bias`` of ``dtype``, fp32 ``lora_a``/``lora_b`` (require grad), a scaling."""
-    n, fan_in, fan_out, rank = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((1, 40), (1, 70), (1, 70), (1, 17)))
+    n, fan_in, fan_out, rank = (
+        int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((1, 40), (1, 70), (1, 70), (1, 17))
+    )
     x = torch.randn(2, n, fan_in, generator=g).to(device, dtype).requires_grad_()
-    weight = (torch.randn(fan_out, fan_in, generator=g) / fan_in ** 0.5).to(device, dtype)
+    weight = (torch.randn(fan_out, fan_in, generator=g) / fan_in**0.5).to(device, dtype)
     b = torch.randn(fan_out, generator=g).to(device, dtype) if bias else None
-    lora_a = (torch.randn(rank, fan_in, generator=g) / fan_in ** 0.5).to(device).requires_grad_()
+    lora_a = (torch.randn(rank, fan_in, generator=g) / fan_in**0.5).to(device).requires_grad_()
     lora_b = torch.randn(fan_out, rank, generator=g).to(device).requires_grad_()
     return x, weight, b, lora_a, lora_b, float(torch.rand((), generator=g)) * 4
 
@@ -377,7 +419,9 @@ def check_lora_case(x, weight, bias, lora_a, lora_b, scaling, grad) -> None:
         y = fn(x, weight, bias, lora_a, lora_b, scaling)
         y.backward(grad)
         results.append((y.detach(), x.grad, lora_a.grad, lora_b.grad))
-    assert results[0][0].dtype == x.dtype and results[0][2].dtype == lora_a.dtype and results[0][3].dtype == lora_b.dtype
+    assert (
+        results[0][0].dtype == x.dtype and results[0][2].dtype == lora_a.dtype and results[0][3].dtype == lora_b.dtype
+    )
     for name, got, want in zip(("out", "dx", "d lora_a", "d lora_b"), *results):
         scale = max(1.0, float(want.abs().max()))  # products are summed in another order: error scales with the values
         tol = dict(atol=1e-5 * scale, rtol=1e-5) if x.dtype == torch.float32 else dict(atol=1e-2 * scale, rtol=2e-2)
@@ -407,8 +451,14 @@ def random_attention_case(g: torch.Generator, device, max_tokens: int) -> dict:
     k, v = torch.randn(2, rows, t, kv_heads, dim, generator=g)
     sinks = torch.randn(kv_heads * groups, generator=g) if randint(g, 0, 2) else None
     window = randint(g, 1, 2 * t + 2) if randint(g, 0, 2) else None
-    return dict(q=q.to(device), k=k.to(device), v=v.to(device), position_ids=pos.to(device), window=window,
-                sinks=None if sinks is None else sinks.to(device))
+    return dict(
+        q=q.to(device),
+        k=k.to(device),
+        v=v.to(device),
+        position_ids=pos.to(device),
+        window=window,
+        sinks=None if sinks is None else sinks.to(device),
+    )
 
 
 def check_attention_case(case: dict) -> None:
@@ -428,10 +478,14 @@ def check_attention_case(case: dict) -> None:
         return [out.detach().float()] + [None if x is None else x.grad.float() for x in leaves]
 
     window = case["window"]
-    got = run(lambda q, k, v, s: fastft.packed_attention(q, k, v, info, window=window, sinks=s),
-              torch.bfloat16 if gpu else torch.float32)
-    want = run(lambda q, k, v, s: reference.packed_attention(q, k, v, info.doc_ids, window or 0, s, q.shape[-1] ** -0.5),
-               torch.float32)
+    got = run(
+        lambda q, k, v, s: fastft.packed_attention(q, k, v, info, window=window, sinks=s),
+        torch.bfloat16 if gpu else torch.float32,
+    )
+    want = run(
+        lambda q, k, v, s: reference.packed_attention(q, k, v, info.doc_ids, window or 0, s, q.shape[-1] ** -0.5),
+        torch.float32,
+    )
     for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
         if b is not None:
             scale = float(b.abs().max()) if b.numel() else 0.0
@@ -488,18 +542,80 @@ def no_host_sync():
 # transformers models: name -> (config class, config fields, decoder layers kept on a GPU). The e2e benchmark
 # and the real-size GPU tests build them with random weights.
 MODEL_CONFIGS = {
-    "Llama-3.2-1B": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True), 16),
-    "Qwen3-0.6B": ("Qwen3Config", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True), 28),
-    "Qwen3-8B": ("Qwen3Config", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                                     num_key_value_heads=8, head_dim=128, vocab_size=151936), 8),
-    "Qwen3-30B-A3B": ("Qwen3MoeConfig", dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
-                                             num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
-                                             num_key_value_heads=4, head_dim=128, vocab_size=151936, decoder_sparse_step=1), 4),
-    "gpt-oss-20b": ("GptOssConfig", dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
-                                         num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                                         vocab_size=201088, sliding_window=128), 4),
+    "Llama-3.2-1B": (
+        "LlamaConfig",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+        ),
+        16,
+    ),
+    "Qwen3-0.6B": (
+        "Qwen3Config",
+        dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
+        28,
+    ),
+    "Qwen3-8B": (
+        "Qwen3Config",
+        dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+        ),
+        8,
+    ),
+    "Qwen3-30B-A3B": (
+        "Qwen3MoeConfig",
+        dict(
+            hidden_size=2048,
+            moe_intermediate_size=768,
+            intermediate_size=6144,
+            num_experts=128,
+            num_experts_per_tok=8,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            vocab_size=151936,
+            decoder_sparse_step=1,
+        ),
+        4,
+    ),
+    "gpt-oss-20b": (
+        "GptOssConfig",
+        dict(
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            num_hidden_layers=24,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=201088,
+            sliding_window=128,
+        ),
+        4,
+    ),
 }
 
 
@@ -516,12 +632,37 @@ def sft_lengths(total: int, seed: int = 0, median: int = 380, max_len: int = 409
 
 _TINY_FAMILIES = {
     "llama": ("LlamaConfig", dict(intermediate_size=64)),
-    "qwen3": ("Qwen3Config", dict(intermediate_size=64, layer_types=["sliding_attention", "full_attention"], sliding_window=6,
-                                  use_sliding_window=True, max_window_layers=0)),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(moe_intermediate_size=32, intermediate_size=64, num_experts=6, num_experts_per_tok=2,
-                                         norm_topk_prob=True, decoder_sparse_step=1)),
-    "gpt_oss": ("GptOssConfig", dict(intermediate_size=32, num_local_experts=5, num_experts_per_tok=2,
-                                     layer_types=["sliding_attention", "full_attention"], sliding_window=6)),
+    "qwen3": (
+        "Qwen3Config",
+        dict(
+            intermediate_size=64,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=6,
+            use_sliding_window=True,
+            max_window_layers=0,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            moe_intermediate_size=32,
+            intermediate_size=64,
+            num_experts=6,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+        ),
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            intermediate_size=32,
+            num_local_experts=5,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=6,
+        ),
+    ),
 }
 
 
@@ -532,8 +673,15 @@ def tiny_hf_model(family: str, dtype=torch.float32, device="cpu", seed: int = 0,
     import transformers
 
     config_cls, family_fields = _TINY_FAMILIES[family]
-    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, max_position_embeddings=256)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
     config = getattr(transformers, config_cls)(**{**common, **family_fields, **fields})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).to(device, dtype)
@@ -544,8 +692,13 @@ def tiny_hf_model(family: str, dtype=torch.float32, device="cpu", seed: int = 0,
     return model.train()
 
 
-CHECKS = {"packing": check_packing, "routing": check_routing, "attention": check_attention, "copy": check_copy,
-          "lora": check_lora}
+CHECKS = {
+    "packing": check_packing,
+    "routing": check_routing,
+    "attention": check_attention,
+    "copy": check_copy,
+    "lora": check_lora,
+}
 
 
 # ---- hypothesis strategies -------------------------------------------------------------------------------
@@ -593,5 +746,6 @@ def window_strategy(max_window: int = 300):
 
 def routing_case_strategy(max_tokens: int = 96, device="cpu"):
     """Cases for ``check_routing_case`` (see ``random_routing_case``), drawn from a hypothesis seed."""
-    return seeds_strategy().map(lambda seed: random_routing_case(torch.Generator().manual_seed(seed), device, max_tokens))
-
+    return seeds_strategy().map(
+        lambda seed: random_routing_case(torch.Generator().manual_seed(seed), device, max_tokens)
+    )

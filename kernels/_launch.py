@@ -1,13 +1,13 @@
 """``launch(fn, grid, *args, **meta)``: ``fn[grid](*args, **meta)`` with less host time on repeat calls.
 
 Triton's launch path binds and specializes every argument in Python on every call, which is most of the
-host cost of fastft's small kernels (docs/benchmarks.md, "launch floor"). ``launch`` keeps the compiled kernel that ``fn[grid]`` returned, under a key that covers
-everything Triton specializes on (each tensor's dtype and 16-byte alignment; each int's value class: 1,
-a multiple of 16, 32/64-bit; the constexpr and launch options), and later launches it directly: through
-the kernel's launcher with the current stream, or, while a launch hook is set (a profiler) or on a
-Triton whose compiled kernels lack that launcher API (probed once per kernel, no ``except``), through the
-compiled kernel's own runner.
-The interpreter (CPU) always takes Triton's own path.
+host cost of fastft's small kernels (docs/benchmarks.md, "launch floor"). ``launch`` keeps the compiled
+kernel that ``fn[grid]`` returned, under a key that covers everything Triton specializes on (each tensor's
+dtype and 16-byte alignment; each int's value class: 1, a multiple of 16, 32/64-bit; the constexpr and
+launch options), and later launches it directly: through the kernel's launcher with the current stream,
+or, while a launch hook is set (a profiler) or on a Triton whose compiled kernels lack that launcher API
+(probed once per kernel, no ``except``), through the compiled kernel's own runner. The interpreter (CPU)
+always takes Triton's own path.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 def _direct_api(kernel) -> bool:
     """Whether this Triton's compiled kernel has the launcher API ``launch`` calls directly."""
-    return _hooks is not None and _RAW_STREAM is not None and all(
-        hasattr(kernel, name) for name in ("run", "function", "packed_metadata")
+    return (
+        _hooks is not None
+        and _RAW_STREAM is not None
+        and all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata"))
     )
 
 
@@ -50,13 +52,18 @@ def _key(args) -> tuple:
     # One comprehension, no call per argument (this key is most of launch's own cost). Tensors: dtype and
     # 16-byte alignment. Ints: small ones by value, others by divisibility by 16 and by the i32/i64/u64
     # range. Floats: by type (Triton does not specialize on their value). bool, None: by value.
-    return tuple([
-        (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, _T)
-        else (a if -16 <= a <= 16 else (a & 15 == 0, not -_I32 <= a < _I32, a >= _I64)) if type(a) is int
-        else float if type(a) is float
-        else (type(a), a)
-        for a in args
-    ])
+    return tuple(
+        [
+            (a.dtype, a.data_ptr() & 15 == 0)
+            if isinstance(a, _T)
+            else (a if -16 <= a <= 16 else (a & 15 == 0, not -_I32 <= a < _I32, a >= _I64))
+            if type(a) is int
+            else float
+            if type(a) is float
+            else (type(a), a)
+            for a in args
+        ]
+    )
 
 
 def launch(fn, grid, *args, **meta) -> None:
@@ -68,7 +75,7 @@ def launch(fn, grid, *args, **meta) -> None:
     hit = _compiled.get(key)
     if hit is None:
         kernel = fn[grid](*args, **meta)
-        names = fn.arg_names[len(args):]
+        names = fn.arg_names[len(args) :]
         if all(name in meta for name in names):
             _compiled[key] = (kernel, names, _direct_api(kernel))
         return
@@ -77,6 +84,13 @@ def launch(fn, grid, *args, **meta) -> None:
         kernel[grid](*args, *(meta[name] for name in names))
     else:  # what kernel[grid] does with no hook set, minus its per-call closure and device query
         kernel.run(
-            *grid, _RAW_STREAM(key[1]), kernel.function, kernel.packed_metadata, None, None, None,
-            *args, *(meta[name] for name in names),
+            *grid,
+            _RAW_STREAM(key[1]),
+            kernel.function,
+            kernel.packed_metadata,
+            None,
+            None,
+            None,
+            *args,
+            *(meta[name] for name in names),
         )

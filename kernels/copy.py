@@ -26,11 +26,29 @@ def _digit(rest, size, src_stride, dst_stride, src_off, dst_off):
 
 @triton.jit
 def _strided_copy_kernel(
-    src_ptr, dst_ptr, n,
-    z0, z1, z2, z3, z4,  # sizes of the inner dims, innermost first (the outermost is implied by n)
-    s0, s1, s2, s3, s4, s5,  # src strides, innermost first
-    d0, d1, d2, d3, d4, d5,  # dst strides
-    RANK: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr,
+    src_ptr,
+    dst_ptr,
+    n,
+    z0,
+    z1,
+    z2,
+    z3,
+    z4,  # sizes of the inner dims, innermost first (the outermost is implied by n)
+    s0,
+    s1,
+    s2,
+    s3,
+    s4,
+    s5,  # src strides, innermost first
+    d0,
+    d1,
+    d2,
+    d3,
+    d4,
+    d5,  # dst strides
+    RANK: tl.constexpr,
+    WIDE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     if WIDE:
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -99,8 +117,19 @@ def strided_copy(src: torch.Tensor, dst: torch.Tensor, *, BLOCK: int, num_warps:
     sizes = [z for z, _, _ in dims[:-1]] + [1] * (MAX_DIMS - len(dims))
     pad = [0] * (MAX_DIMS - len(dims))
     launch(
-        _strided_copy_kernel, (cdiv(n, BLOCK),), src, dst, n, *sizes[:MAX_DIMS - 1],
-        *[s for _, s, _ in dims], *pad, *[d for _, _, d in dims], *pad,
-        RANK=len(dims), WIDE=max(n, extent) >= 2**31, BLOCK=BLOCK, num_warps=num_warps,
+        _strided_copy_kernel,
+        (cdiv(n, BLOCK),),
+        src,
+        dst,
+        n,
+        *sizes[: MAX_DIMS - 1],
+        *[s for _, s, _ in dims],
+        *pad,
+        *[d for _, _, d in dims],
+        *pad,
+        RANK=len(dims),
+        WIDE=max(n, extent) >= 2**31,
+        BLOCK=BLOCK,
+        num_warps=num_warps,
     )
     return True

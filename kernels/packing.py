@@ -41,8 +41,17 @@ def _boundary_stats_kernel(pos_ptr, count_ptr, last_ptr, starts_ptr, summary_ptr
 
 @triton.jit(do_not_specialize=["n", "row_len"])
 def _boundary_write_kernel(
-    pos_ptr, count_ptr, last_ptr, doc_ptr, out_pos_ptr, starts_ptr, summary_ptr, n, row_len,
-    BLOCK: tl.constexpr, PREFIX_CHUNK: tl.constexpr,
+    pos_ptr,
+    count_ptr,
+    last_ptr,
+    doc_ptr,
+    out_pos_ptr,
+    starts_ptr,
+    summary_ptr,
+    n,
+    row_len,
+    BLOCK: tl.constexpr,
+    PREFIX_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # Exclusive prefix over the earlier blocks' stats: documents before this block, and the last start.
@@ -82,10 +91,34 @@ def boundaries_from_position_ids(position_ids: torch.Tensor, *, BLOCK: int, num_
     count = torch.empty(grid, dtype=torch.int32, device=position_ids.device)
     last = torch.empty(grid, dtype=torch.int64, device=position_ids.device)
     summary = torch.empty(2, dtype=torch.int32, device=position_ids.device)
-    launch(_boundary_stats_kernel, (grid,), position_ids, count, last, starts, summary, n, row_len, BLOCK=BLOCK, num_warps=num_warps)
     launch(
-        _boundary_write_kernel, (grid,), position_ids, count, last, doc, pos, starts, summary, n, row_len,
-        BLOCK=BLOCK, PREFIX_CHUNK=1024, num_warps=num_warps,
+        _boundary_stats_kernel,
+        (grid,),
+        position_ids,
+        count,
+        last,
+        starts,
+        summary,
+        n,
+        row_len,
+        BLOCK=BLOCK,
+        num_warps=num_warps,
+    )
+    launch(
+        _boundary_write_kernel,
+        (grid,),
+        position_ids,
+        count,
+        last,
+        doc,
+        pos,
+        starts,
+        summary,
+        n,
+        row_len,
+        BLOCK=BLOCK,
+        PREFIX_CHUNK=1024,
+        num_warps=num_warps,
     )
     return doc, pos, starts, summary
 
@@ -107,8 +140,16 @@ def boundaries_from_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int, *, BLO
     pos = torch.empty(num_tokens, dtype=torch.int64, device=cu_seqlens.device)
     steps = max(1, (num_seqs - 1).bit_length())
     launch(
-        _from_cu_seqlens_kernel, (cdiv(num_tokens, BLOCK),), cu_seqlens, num_seqs, doc, pos, num_tokens,
-        BLOCK=BLOCK, STEPS=steps, num_warps=num_warps,
+        _from_cu_seqlens_kernel,
+        (cdiv(num_tokens, BLOCK),),
+        cu_seqlens,
+        num_seqs,
+        doc,
+        pos,
+        num_tokens,
+        BLOCK=BLOCK,
+        STEPS=steps,
+        num_warps=num_warps,
     )
     return doc, pos
 
@@ -165,14 +206,25 @@ def sdpa_mask(doc_ids: torch.Tensor, window: int, dtype: torch.dtype, *, BLOCK_Q
     view = out.view(torch.int32 if pack == 4 else torch.uint8) if dtype == torch.bool else out
     grid = (cdiv(t, BLOCK_Q), cdiv(t // pack, BLOCK_K), b)
     launch(
-        _sdpa_mask_kernel, grid, doc_ids, view, t, window,
-        BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, FLOAT=dtype != torch.bool, PACK=pack, num_warps=num_warps,
+        _sdpa_mask_kernel,
+        grid,
+        doc_ids,
+        view,
+        t,
+        window,
+        BLOCK_Q=BLOCK_Q,
+        BLOCK_K=BLOCK_K,
+        FLOAT=dtype != torch.bool,
+        PACK=pack,
+        num_warps=num_warps,
     )
     return out
 
 
 @triton.jit(do_not_specialize=["t", "window", "num_blocks", "batch"])
-def _block_tables_kernel(doc_ptr, t, window, num_blocks, batch, num_ptr, idx_ptr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
+def _block_tables_kernel(
+    doc_ptr, t, window, num_blocks, batch, num_ptr, idx_ptr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr
+):
     # One table row: q block `r` against every kv block (side 0: the kv tables), or kv block `r` against
     # every q block (side 1: the q tables). Documents are contiguous runs of one row, so a block's doc ids
     # lie between those of its first and last token: four loads per block pair decide empty/partial/full.
@@ -187,8 +239,8 @@ def _block_tables_kernel(doc_ptr, t, window, num_blocks, batch, num_ptr, idx_ptr
     full_idx_ptr = part_idx_ptr + batch * num_blocks * num_blocks
     for sweep in tl.static_range(2):  # sweep 0 counts, sweep 1 writes the ordered indices
         if sweep == 1:
-            part_total = part_seen
-            full_total = full_seen
+            part_total = part_seen  # noqa: F821  (counted by sweep 0 of this unrolled loop)
+            full_total = full_seen  # noqa: F821
         part_seen = tl.zeros((), dtype=tl.int32)
         full_seen = tl.zeros((), dtype=tl.int32)
         for c0 in range(0, num_blocks, CHUNK):
@@ -237,7 +289,17 @@ def block_mask_tables(doc_ids: torch.Tensor, window: int, block_size: int, *, nu
     num = torch.empty((4, b, 1, nb), dtype=torch.int32, device=doc_ids.device)
     idx = torch.empty((4, b, 1, nb, nb), dtype=torch.int32, device=doc_ids.device)
     launch(
-        _block_tables_kernel, (nb, b, 2), doc_ids, t, window, nb, b, num, idx,
-        BLOCK_SIZE=block_size, CHUNK=min(next_power_of_2(nb), 1024), num_warps=num_warps,
+        _block_tables_kernel,
+        (nb, b, 2),
+        doc_ids,
+        t,
+        window,
+        nb,
+        b,
+        num,
+        idx,
+        BLOCK_SIZE=block_size,
+        CHUNK=min(next_power_of_2(nb), 1024),
+        num_warps=num_warps,
     )
     return num, idx

@@ -24,8 +24,21 @@ from .common import last_at_most, max_combine
 
 @triton.jit(do_not_specialize=["n", "top_k", "stride_t", "stride_k", "num_experts", "num_local"])
 def _route_sort_kernel(
-    ids_ptr, stride_t, stride_k, top_k, n, num_experts, map_ptr, num_local, scratch_ptr, rank_off, hist_off,
-    BLOCK: tl.constexpr, E_CHUNK: tl.constexpr, HAS_MAP: tl.constexpr, KEY64: tl.constexpr,
+    ids_ptr,
+    stride_t,
+    stride_k,
+    top_k,
+    n,
+    num_experts,
+    map_ptr,
+    num_local,
+    scratch_ptr,
+    rank_off,
+    hist_off,
+    BLOCK: tl.constexpr,
+    E_CHUNK: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    KEY64: tl.constexpr,
 ):
     pid = tl.program_id(0)
     expert_ptr = scratch_ptr
@@ -62,13 +75,41 @@ def _route_sort_kernel(
     tl.store(hist_row + sorted_expert, rank + 1, mask=run_end)
 
 
-@triton.jit(do_not_specialize=[
-    "n", "num_local", "capacity", "num_blocks", "block_size", "o_offsets", "o_padded", "o_sorted", "o_eob", "o_inverse",
-])
+@triton.jit(
+    do_not_specialize=[
+        "n",
+        "num_local",
+        "capacity",
+        "num_blocks",
+        "block_size",
+        "o_offsets",
+        "o_padded",
+        "o_sorted",
+        "o_eob",
+        "o_inverse",
+    ]
+)
 def _route_scatter_kernel(
-    scratch_ptr, rank_off, hist_off, first_off, out_ptr, o_offsets, o_padded, o_sorted, o_eob, o_inverse,
-    n, num_local, capacity, num_blocks, block_size,
-    BLOCK: tl.constexpr, SLOT_BLOCK: tl.constexpr, STEPS: tl.constexpr, B_CHUNK: tl.constexpr, E_CHUNK: tl.constexpr,
+    scratch_ptr,
+    rank_off,
+    hist_off,
+    first_off,
+    out_ptr,
+    o_offsets,
+    o_padded,
+    o_sorted,
+    o_eob,
+    o_inverse,
+    n,
+    num_local,
+    capacity,
+    num_blocks,
+    block_size,
+    BLOCK: tl.constexpr,
+    SLOT_BLOCK: tl.constexpr,
+    STEPS: tl.constexpr,
+    B_CHUNK: tl.constexpr,
+    E_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     expert_ptr = scratch_ptr
@@ -136,7 +177,21 @@ def _route_scatter_kernel(
     tl.store(expert_of_block_ptr + s // block_size, tl.where(owned, lo, -1), mask=s_in & (s % block_size == 0))
 
 
-def route(topk_ids, num_experts, block_size, expert_map, num_local, capacity, out, out_offsets, *, BLOCK, SLOT_BLOCK, SCAN_E, num_warps):
+def route(
+    topk_ids,
+    num_experts,
+    block_size,
+    expert_map,
+    num_local,
+    capacity,
+    out,
+    out_offsets,
+    *,
+    BLOCK,
+    SLOT_BLOCK,
+    SCAN_E,
+    num_warps,
+):
     """Fills ``out``, int32 holding (counts, offsets, padded_offsets, sorted_pair, expert_of_block, inverse)
     from the element offsets ``out_offsets`` of the last five, for ``[T, K]`` ids, T*K >= 1. Two launches."""
     t, k = topk_ids.shape
@@ -149,17 +204,46 @@ def route(topk_ids, num_experts, block_size, expert_map, num_local, capacity, ou
     scratch = torch.empty(2 * rank_off + 2 * hist_size, dtype=torch.int32, device=topk_ids.device)
     e_chunk = min(next_power_of_2(num_local), 1024)
     launch(
-        _route_sort_kernel, (num_blocks,), topk_ids, topk_ids.stride(0), topk_ids.stride(1), k, n, num_experts,
-        expert_map if expert_map is not None else topk_ids, num_local, scratch, rank_off, 2 * rank_off,
-        BLOCK=BLOCK, E_CHUNK=e_chunk, HAS_MAP=expert_map is not None,
-        KEY64=(num_local + 1) * BLOCK >= 2**31, num_warps=num_warps,
+        _route_sort_kernel,
+        (num_blocks,),
+        topk_ids,
+        topk_ids.stride(0),
+        topk_ids.stride(1),
+        k,
+        n,
+        num_experts,
+        expert_map if expert_map is not None else topk_ids,
+        num_local,
+        scratch,
+        rank_off,
+        2 * rank_off,
+        BLOCK=BLOCK,
+        E_CHUNK=e_chunk,
+        HAS_MAP=expert_map is not None,
+        KEY64=(num_local + 1) * BLOCK >= 2**31,
+        num_warps=num_warps,
     )
     scan_e = min(e_chunk, SCAN_E)
     launch(
-        _route_scatter_kernel, (max(num_blocks, cdiv(capacity, SLOT_BLOCK)),), scratch, rank_off, 2 * rank_off,
-        2 * rank_off + hist_size, out, *out_offsets, n, num_local, capacity, num_blocks, block_size,
-        BLOCK=BLOCK, SLOT_BLOCK=SLOT_BLOCK, STEPS=max(1, num_local.bit_length()),
-        B_CHUNK=max(1, min(next_power_of_2(num_blocks), 4096 // scan_e)), E_CHUNK=scan_e, num_warps=num_warps,
+        _route_scatter_kernel,
+        (max(num_blocks, cdiv(capacity, SLOT_BLOCK)),),
+        scratch,
+        rank_off,
+        2 * rank_off,
+        2 * rank_off + hist_size,
+        out,
+        *out_offsets,
+        n,
+        num_local,
+        capacity,
+        num_blocks,
+        block_size,
+        BLOCK=BLOCK,
+        SLOT_BLOCK=SLOT_BLOCK,
+        STEPS=max(1, num_local.bit_length()),
+        B_CHUNK=max(1, min(next_power_of_2(num_blocks), 4096 // scan_e)),
+        E_CHUNK=scan_e,
+        num_warps=num_warps,
     )
 
 
@@ -186,9 +270,25 @@ def _wide(x):
 
 @triton.jit(do_not_specialize=["t", "top_k", "capacity"])
 def _scatter_rows_kernel(
-    src_ptr, stride_src, inverse_ptr, top_k, sorted_pair_ptr, dst_ptr, stride_dst, t, capacity, h,
-    w_ptr, other_ptr, stride_other, dw_ptr,
-    SCALE: tl.constexpr, DOT: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, PAD_ROWS: tl.constexpr,
+    src_ptr,
+    stride_src,
+    inverse_ptr,
+    top_k,
+    sorted_pair_ptr,
+    dst_ptr,
+    stride_dst,
+    t,
+    capacity,
+    h,
+    w_ptr,
+    other_ptr,
+    stride_other,
+    dw_ptr,
+    SCALE: tl.constexpr,
+    DOT: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PAD_ROWS: tl.constexpr,
 ):
     # Token-major, so each source row is read from memory once: dst[inverse[t, k]] = src[t] (* w[t, k]).
     # DOT: dw[t, k] = <src[t], other[inverse[t, k]]> in fp32 (0 if not routed). The programs after the
@@ -215,7 +315,9 @@ def _scatter_rows_kernel(
                 tl.store(dst_ptr + slot[:, None] * stride_dst + col[None, :], out.to(dst_ptr.dtype.element_ty), mask=m)
                 if DOT:
                     o = tl.load(
-                        other_ptr + slot[:, None] * stride_other + col[None, :], mask=m, other=0,
+                        other_ptr + slot[:, None] * stride_other + col[None, :],
+                        mask=m,
+                        other=0,
                         eviction_policy="evict_first",
                     )
                     dot += tl.sum(v.to(tl.float32) * o.to(tl.float32), axis=1)
@@ -233,20 +335,44 @@ def _scatter_rows_kernel(
                     for h0 in range(0, h, BLOCK_H):
                         col = h0 + tl.arange(0, BLOCK_H)
                         zero = tl.zeros((ROWS, BLOCK_H), dtype=dst_ptr.dtype.element_ty)
-                        tl.store(dst_ptr + s[:, None] * stride_dst + col[None, :], zero, mask=pad[:, None] & (col < h)[None, :])
+                        tl.store(
+                            dst_ptr + s[:, None] * stride_dst + col[None, :],
+                            zero,
+                            mask=pad[:, None] & (col < h)[None, :],
+                        )
 
 
-def _scatter_rows(src, inverse, sorted_pair, out, *, weights=None, other=None, dw=None, ROWS, BLOCK_H, PAD_ROWS, num_warps):
+def _scatter_rows(
+    src, inverse, sorted_pair, out, *, weights=None, other=None, dw=None, ROWS, BLOCK_H, PAD_ROWS, num_warps
+):
     t, k = inverse.shape
     cap, h = out.shape
     if cap == 0 or h == 0:
         return
     grid = cdiv(t, ROWS) + cdiv(cap, PAD_ROWS)
     launch(
-        _scatter_rows_kernel, (grid,), src, src.stride(0), inverse, k, sorted_pair, out, out.stride(0), t, cap, h,
-        weights if weights is not None else inverse, other if other is not None else src,
-        other.stride(0) if other is not None else 0, dw if dw is not None else inverse,
-        SCALE=weights is not None, DOT=dw is not None, ROWS=ROWS, BLOCK_H=BLOCK_H, PAD_ROWS=PAD_ROWS, num_warps=num_warps,
+        _scatter_rows_kernel,
+        (grid,),
+        src,
+        src.stride(0),
+        inverse,
+        k,
+        sorted_pair,
+        out,
+        out.stride(0),
+        t,
+        cap,
+        h,
+        weights if weights is not None else inverse,
+        other if other is not None else src,
+        other.stride(0) if other is not None else 0,
+        dw if dw is not None else inverse,
+        SCALE=weights is not None,
+        DOT=dw is not None,
+        ROWS=ROWS,
+        BLOCK_H=BLOCK_H,
+        PAD_ROWS=PAD_ROWS,
+        num_warps=num_warps,
     )
 
 
@@ -273,8 +399,17 @@ def unpermute_backward(dy, ys, sorted_pair, inverse, weights, **launch_params):
 
 @triton.jit(do_not_specialize=["rows", "block_size"])
 def _expert_rows_kernel(
-    src_ptr, stride_src, sorted_pair_ptr, expert_of_block_ptr, block_size, dst_ptr, stride_dst, rows, h,
-    ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    src_ptr,
+    stride_src,
+    sorted_pair_ptr,
+    expert_of_block_ptr,
+    block_size,
+    dst_ptr,
+    stride_dst,
+    rows,
+    h,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     # dst[s] = src[expert_of_block[s // block_size]], 0 on padding slots.
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -295,16 +430,38 @@ def expert_rows(table, sorted_pair, expert_of_block, block_size, *, ROWS, BLOCK_
     out = torch.empty((rows, h), dtype=src.dtype, device=table.device)
     if rows and h:
         launch(
-            _expert_rows_kernel, (cdiv(rows, ROWS),), src, src.stride(0), sorted_pair, expert_of_block,
-            block_size, out, out.stride(0), rows, h, ROWS=ROWS, BLOCK_H=BLOCK_H, num_warps=num_warps,
+            _expert_rows_kernel,
+            (cdiv(rows, ROWS),),
+            src,
+            src.stride(0),
+            sorted_pair,
+            expert_of_block,
+            block_size,
+            out,
+            out.stride(0),
+            rows,
+            h,
+            ROWS=ROWS,
+            BLOCK_H=BLOCK_H,
+            num_warps=num_warps,
         )
     return out.view(table.dtype)
 
 
 @triton.jit(do_not_specialize=["t", "top_k"])
 def _gather_sum_kernel(
-    src_ptr, stride_src, inverse_ptr, top_k, w_ptr, dst_ptr, stride_dst, t, h,
-    HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    src_ptr,
+    stride_src,
+    inverse_ptr,
+    top_k,
+    w_ptr,
+    dst_ptr,
+    stride_dst,
+    t,
+    h,
+    HAS_W: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     # dst[t] = sum_k w[t, k] * src[inverse[t, k]] over routed k, fp32, k ascending.
     tok = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -316,13 +473,19 @@ def _gather_sum_kernel(
         slot = tl.load(inverse_ptr + tok * top_k + k, mask=t_in, other=-1).to(tl.int64)
         used = slot >= 0
         v = tl.load(
-            src_ptr + slot[:, None] * stride_src + col[None, :], mask=used[:, None] & c_in[None, :], other=0,
+            src_ptr + slot[:, None] * stride_src + col[None, :],
+            mask=used[:, None] & c_in[None, :],
+            other=0,
             eviction_policy="evict_first",  # each slot is read once
         ).to(tl.float32)
         if HAS_W:
             v = tl.load(w_ptr + tok * top_k + k, mask=used, other=0).to(tl.float32)[:, None] * v
         acc = acc + v
-    tl.store(dst_ptr + tok[:, None] * stride_dst + col[None, :], acc.to(dst_ptr.dtype.element_ty), mask=t_in[:, None] & c_in[None, :])
+    tl.store(
+        dst_ptr + tok[:, None] * stride_dst + col[None, :],
+        acc.to(dst_ptr.dtype.element_ty),
+        mask=t_in[:, None] & c_in[None, :],
+    )
 
 
 def gather_sum(ys, inverse, weights, *, ROWS, BLOCK_H, num_warps):
@@ -337,15 +500,30 @@ def gather_sum(ys, inverse, weights, *, ROWS, BLOCK_H, num_warps):
         return out
     # No fused multiply-add: the products round exactly as the reference's separate multiply and add.
     launch(
-        _gather_sum_kernel, (cdiv(t, ROWS), cdiv(h, BLOCK_H)),
-        ys, ys.stride(0), inverse, k, weights if weights is not None else inverse, out, out.stride(0), t, h,
-        HAS_W=weights is not None, ROWS=ROWS, BLOCK_H=BLOCK_H, num_warps=num_warps, enable_fp_fusion=False,
+        _gather_sum_kernel,
+        (cdiv(t, ROWS), cdiv(h, BLOCK_H)),
+        ys,
+        ys.stride(0),
+        inverse,
+        k,
+        weights if weights is not None else inverse,
+        out,
+        out.stride(0),
+        t,
+        h,
+        HAS_W=weights is not None,
+        ROWS=ROWS,
+        BLOCK_H=BLOCK_H,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
     )
     return out
 
 
 @triton.jit
-def _segment_sum_kernel(src_ptr, stride_src, counts_ptr, padded_ptr, dst_ptr, f, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+def _segment_sum_kernel(
+    src_ptr, stride_src, counts_ptr, padded_ptr, dst_ptr, f, ROWS: tl.constexpr, BLOCK_F: tl.constexpr
+):
     # dst[e] = sum of src rows padded_offsets[e] .. padded_offsets[e] + counts[e] - 1, fp32.
     e = tl.program_id(0)
     col = tl.program_id(1).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -356,19 +534,32 @@ def _segment_sum_kernel(src_ptr, stride_src, counts_ptr, padded_ptr, dst_ptr, f,
     for r0 in range(0, count, ROWS):
         r = r0 + tl.arange(0, ROWS)
         m = (r < count)[:, None] & c_in[None, :]
-        acc += tl.sum(tl.load(src_ptr + (start + r)[:, None] * stride_src + col[None, :], mask=m, other=0).to(tl.float32), axis=0)
+        acc += tl.sum(
+            tl.load(src_ptr + (start + r)[:, None] * stride_src + col[None, :], mask=m, other=0).to(tl.float32), axis=0
+        )
     tl.store(dst_ptr + e.to(tl.int64) * f + col, acc.to(dst_ptr.dtype.element_ty), mask=c_in)
 
 
 def expert_rows_backward(dout, counts, padded_offsets, num_local, *, ROWS, BLOCK_H, num_warps):
     if dout.dtype not in _NATIVE_FLOATS:
-        wide = expert_rows_backward(dout.float(), counts, padded_offsets, num_local, ROWS=ROWS, BLOCK_H=BLOCK_H, num_warps=num_warps)
+        wide = expert_rows_backward(
+            dout.float(), counts, padded_offsets, num_local, ROWS=ROWS, BLOCK_H=BLOCK_H, num_warps=num_warps
+        )
         return wide.to(dout.dtype)
     f = dout.shape[1]
     out = torch.empty((num_local, f), dtype=dout.dtype, device=dout.device)
     if f:
         launch(
-            _segment_sum_kernel, (num_local, cdiv(f, BLOCK_H)), dout, dout.stride(0), counts, padded_offsets,
-            out, f, ROWS=ROWS, BLOCK_F=BLOCK_H, num_warps=num_warps,
+            _segment_sum_kernel,
+            (num_local, cdiv(f, BLOCK_H)),
+            dout,
+            dout.stride(0),
+            counts,
+            padded_offsets,
+            out,
+            f,
+            ROWS=ROWS,
+            BLOCK_F=BLOCK_H,
+            num_warps=num_warps,
         )
     return out

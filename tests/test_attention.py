@@ -66,7 +66,9 @@ def test_dense_path_matches_reference_with_gradients(batch, window, sinks, rng):
     q, k, v, positions, s = random_case(rng, lengths, batch=batch, sinks=sinks)
     info = fastft.packed_seq_info(position_ids=positions)
     doc = info.doc_ids
-    got = grads(lambda *t: fastft.packed_attention(*t[:3], info, window=window, sinks=t[3], backend="dense"), q, k, v, s)
+    got = grads(
+        lambda *t: fastft.packed_attention(*t[:3], info, window=window, sinks=t[3], backend="dense"), q, k, v, s
+    )
     want = grads(lambda *t: reference.packed_attention(*t[:3], doc, window or 0, t[3], 16**-0.5), q, k, v, s)
     for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
         if b is not None:
@@ -120,7 +122,9 @@ def test_bad_input():
         ((q, k, v, info), {"backend": "triton"}, ValueError, "backend must be one of"),
     ]
     if not GPU:
-        cases.append(((q, k, v, info), {"backend": "flash"}, ValueError, "backend='flash' cannot run this call: it needs CUDA"))
+        cases.append(
+            ((q, k, v, info), {"backend": "flash"}, ValueError, "backend='flash' cannot run this call: it needs CUDA")
+        )
     for args, kwargs, error, match in cases:
         with pytest.raises(error, match=match):
             fastft.packed_attention(*args, **kwargs)
@@ -154,7 +158,9 @@ def test_flash_sinks_match_gpt_oss_eager_on_gpu(window, rng):
     def eager(q_, k_, v_, s_):  # transformers' gpt-oss attention, fp32, with the fastft document mask
         module.sinks = s_
         mask = info.sdpa_mask(window=window, dtype=torch.float32)
-        return modeling_gpt_oss.eager_attention_forward(module, *(x.transpose(1, 2) for x in (q_, k_, v_)), mask, 0.125)[0]
+        return modeling_gpt_oss.eager_attention_forward(
+            module, *(x.transpose(1, 2) for x in (q_, k_, v_)), mask, 0.125
+        )[0]
 
     bf16 = [x.bfloat16() for x in (q, k, v, s)]
     got = grads(lambda *t: fastft.packed_attention(*t[:3], info, window=window, sinks=t[3], scale=0.125), *bf16)

@@ -22,7 +22,10 @@ def test_roundtrip_and_nearest_bucket(tmp_path, monkeypatch):
     path = autotune.write("cpu", ops, {"device": "test"})
     assert json.loads(path.read_text())["ops"] == ops
     cpu = torch.device("cpu")
-    assert autotune.lookup("packing.sdpa_mask", cpu, 3000) == ({**autotune.TUNABLES["packing.sdpa_mask"].defaults, "BLOCK_Q": 16}, True)
+    assert autotune.lookup("packing.sdpa_mask", cpu, 3000) == (
+        {**autotune.TUNABLES["packing.sdpa_mask"].defaults, "BLOCK_Q": 16},
+        True,
+    )
     assert autotune.lookup("packing.sdpa_mask", cpu, 40000)[0]["BLOCK_Q"] == 64
     assert autotune.lookup("packing.sdpa_mask", cpu, 10**7)[0]["BLOCK_Q"] == 64
     # an op with no entry keeps its defaults

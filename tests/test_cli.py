@@ -45,7 +45,9 @@ def test_bench_e2e_runs_tiny_models(tmp_path):
     out = run("bench", "--e2e", "--quick", "--model", "Qwen3-0.6B", "--json", str(path))
     assert out.returncode == 0, out.stdout + out.stderr
     rows = json.loads(path.read_text())["rows"]
-    columns = {"naive glue", "stock sdpa", "fastft, peft lora", "fastft"} | ({"stock flex"} if torch.cuda.is_available() else set())
+    columns = {"naive glue", "stock sdpa", "fastft, peft lora", "fastft"} | (
+        {"stock flex"} if torch.cuda.is_available() else set()
+    )
     if importlib.util.find_spec("peft") is None:
         columns.discard("fastft, peft lora")  # the same configuration as "fastft" without peft
         assert "peft is not installed" in out.stdout

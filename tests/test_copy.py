@@ -21,7 +21,12 @@ def test_torch_backend_round_trips(rng):
 
 
 def test_layout_offsets_are_aligned_and_packed():
-    tensors = [torch.zeros(3, dtype=torch.bool), torch.zeros(5, dtype=torch.float64), torch.zeros(0), torch.zeros(2, dtype=torch.int16)]
+    tensors = [
+        torch.zeros(3, dtype=torch.bool),
+        torch.zeros(5, dtype=torch.float64),
+        torch.zeros(0),
+        torch.zeros(2, dtype=torch.int16),
+    ]
     layout = copy.PackLayout.of(tensors)
     assert [e.offset for e in layout.entries] == [0, 16, 64, 64]
     assert layout.nbytes == 68
@@ -58,7 +63,9 @@ def test_merged_dims():
 def test_dense_and_non_overlapping():
     t = torch.empty(4, 5, 6)
     assert copy.dense(t.shape, t.stride()) and copy.dense(t.permute(2, 0, 1).shape, t.permute(2, 0, 1).stride())
-    assert not copy.dense(t[:, ::2].shape, t[:, ::2].stride()) and copy.non_overlapping(t[:, ::2].shape, t[:, ::2].stride())
+    assert not copy.dense(t[:, ::2].shape, t[:, ::2].stride()) and copy.non_overlapping(
+        t[:, ::2].shape, t[:, ::2].stride()
+    )
     e = t[:1].expand(3, 5, 6)
     assert not copy.non_overlapping(e.shape, e.stride())
 

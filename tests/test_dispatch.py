@@ -33,8 +33,17 @@ def test_cpu_uses_torch_unless_interpreting(monkeypatch):
 
 @pytest.mark.parametrize(
     "arch, expected",
-    [("sm80", "triton"), ("sm86", "triton"), ("sm89", "triton"), ("sm90", "triton"), ("sm100", "triton"),
-     ("sm103", "triton"), ("sm120", "triton"), ("rocm:gfx942", "triton"), ("sm75", "torch")],
+    [
+        ("sm80", "triton"),
+        ("sm86", "triton"),
+        ("sm89", "triton"),
+        ("sm90", "triton"),
+        ("sm100", "triton"),
+        ("sm103", "triton"),
+        ("sm120", "triton"),
+        ("rocm:gfx942", "triton"),
+        ("sm75", "torch"),
+    ],
 )
 def test_gpu_architectures(monkeypatch, arch, expected):
     monkeypatch.setattr(dispatch, "arch", lambda device=None: arch)

@@ -104,7 +104,8 @@ def test_packed_batch_matches_stock_model_and_each_document_alone(name):
     stock_batch = dict(input_ids=ids, position_ids=positions)
     if name == "gpt_oss":  # transformers 5.17's gpt-oss ignores packed position ids: give it the masks
         stock_batch["attention_mask"] = {
-            "full_attention": document_mask(positions, None, dtype), "sliding_attention": document_mask(positions, 6, dtype),
+            "full_attention": document_mask(positions, None, dtype),
+            "sliding_attention": document_mask(positions, 6, dtype),
         }
     stock_logits, stock_grads = forward_grads(model, **stock_batch)
     ft_hf.apply(model, offload_checkpointing=False)
@@ -116,8 +117,8 @@ def test_packed_batch_matches_stock_model_and_each_document_alone(name):
     start = 0
     with torch.no_grad():
         for n in LENGTHS:  # (b) each document alone, unpacked: no document saw another
-            alone = model(input_ids=ids[:, start:start + n]).logits
-            torch.testing.assert_close(logits[:, start:start + n], alone, **tol)
+            alone = model(input_ids=ids[:, start : start + n]).logits
+            torch.testing.assert_close(logits[:, start : start + n], alone, **tol)
             start += n
 
 
@@ -171,7 +172,9 @@ def test_packed_llama_step_is_sync_free_with_collator_lengths():
     collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     g = torch.Generator().manual_seed(3)
     batch = collate([{"input_ids": torch.randint(0, 128, (n,), generator=g).tolist()} for n in (40, 7, 81)])
-    batch = {k: v.cuda() if k in ("input_ids", "labels", "position_ids") else v for k, v in batch.items()}  # lengths stay on the host
+    batch = {
+        k: v.cuda() if k in ("input_ids", "labels", "position_ids") else v for k, v in batch.items()
+    }  # lengths stay on the host
     model(**batch).loss.backward()  # warm up (allocations, kernel compilation)
     with no_host_sync():
         logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
@@ -192,8 +195,12 @@ def test_one_packed_seq_info_per_forward(source, monkeypatch):
         "position_ids": dict(position_ids=torch.arange(10).repeat(3, 1)),
         "broadcast": dict(position_ids=torch.arange(10)[None]),  # [1, T] for a batch of plain rows
         "none": {},
-        "cu_seq_lens": dict(cu_seq_lens_q=torch.tensor([0, 10, 20, 30]), cu_seq_lens_k=torch.tensor([0, 10, 20, 30]),
-                            max_length_q=10, max_length_k=10),
+        "cu_seq_lens": dict(
+            cu_seq_lens_q=torch.tensor([0, 10, 20, 30]),
+            cu_seq_lens_k=torch.tensor([0, 10, 20, 30]),
+            max_length_q=10,
+            max_length_k=10,
+        ),
     }[source]
     with torch.no_grad():
         model(input_ids=ids, **kwargs)
@@ -214,11 +221,11 @@ def test_peft_lora_keeps_documents_apart(apply_first):
     a, b = torch.randint(1, 128, (5,), generator=g), torch.randint(1, 128, (8,), generator=g)
     with torch.no_grad():
         alone = [model(input_ids=x[None]).logits[0] for x in (a, b)]
-        packed = model(input_ids=torch.cat([a, b])[None], position_ids=torch.cat([torch.arange(5), torch.arange(8)])[None]).logits[0]
+        packed = model(
+            input_ids=torch.cat([a, b])[None], position_ids=torch.cat([torch.arange(5), torch.arange(8)])[None]
+        ).logits[0]
         left = torch.stack([torch.cat([torch.zeros(3, dtype=torch.long), a]), b])
         padded = model(input_ids=left, attention_mask=torch.tensor([[0, 0, 0] + [1] * 5, [1] * 8])).logits
     torch.testing.assert_close(packed, torch.cat(alone), atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(padded[0, 3:], alone[0], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(padded[1], alone[1], atol=2e-5, rtol=1e-4)
-
-

@@ -8,8 +8,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fastft.testing import MODEL_CONFIGS, sft_lengths  # noqa: E402
 from fastft.integrations import transformers as ft_hf  # noqa: E402
+from fastft.testing import MODEL_CONFIGS, sft_lengths  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -41,10 +41,14 @@ def test_real_size_packed_step_matches_stock_and_documents_alone(name):
 
     def step(stock):
         batch = dict(input_ids=ids, labels=ids, position_ids=positions)
-        if stock and name.startswith("gpt-oss"):  # transformers 5.17's gpt-oss ignores packed position ids: give it the masks
+        if stock and name.startswith(
+            "gpt-oss"
+        ):  # transformers 5.17's gpt-oss ignores packed position ids: give it the masks
             dtype = next(model.parameters()).dtype
-            batch["attention_mask"] = {"full_attention": document_mask(doc, None, dtype),
-                                       "sliding_attention": document_mask(doc, config.sliding_window, dtype)}
+            batch["attention_mask"] = {
+                "full_attention": document_mask(doc, None, dtype),
+                "sliding_attention": document_mask(doc, config.sliding_window, dtype),
+            }
         model.zero_grad(set_to_none=True)
         out = model(**batch)
         out.loss.backward()

@@ -61,7 +61,9 @@ transformers = pytest.importorskip("transformers")
 
 def tiny_lora(dtype, device, **lora):
     model = testing.tiny_hf_model("llama", dtype, device, intermediate_size=96, use_cache=False)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], **lora))
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], **lora)
+    )
     with torch.no_grad():  # LoRA B starts at zero: make the adapters matter
         for name, p in model.named_parameters():
             if "lora_B" in name:

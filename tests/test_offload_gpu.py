@@ -38,8 +38,12 @@ class Block(torch.nn.Module):
         super().__init__()
         self.norm = torch.nn.Parameter(1 + 0.1 * torch.randn(width, generator=g).cuda())
         self.up = torch.nn.Parameter((torch.randn(width, 2 * width, generator=g) / width**0.5).to("cuda", dtype))
-        self.down = torch.nn.Parameter((torch.randn(2 * width, out, generator=g) / (2 * width) ** 0.5).to("cuda", dtype))
-        self.skip = torch.nn.Parameter(torch.randn(width, out, generator=g).cuda() / width**0.5) if out != width else None
+        self.down = torch.nn.Parameter(
+            (torch.randn(2 * width, out, generator=g) / (2 * width) ** 0.5).to("cuda", dtype)
+        )
+        self.skip = (
+            torch.nn.Parameter(torch.randn(width, out, generator=g).cuda() / width**0.5) if out != width else None
+        )
         self.dtype = dtype
 
     def forward(self, x, delay_cycles=0):
@@ -96,7 +100,11 @@ def test_eight_layers_bit_identical_to_torch_checkpoint(config):
 def test_non_contiguous_inputs(view):
     stack = make_stack([256] * 5, [torch.float32] * 4)
     base = torch.randn(2048, 512, device="cuda")
-    x = {"transposed": base[:, :256].t().contiguous().t(), "sliced": base[:, ::2], "expanded": base[:1, :256].expand(2048, 256)}[view]
+    x = {
+        "transposed": base[:, :256].t().contiguous().t(),
+        "sliced": base[:, ::2],
+        "expanded": base[:1, :256].expand(2048, 256),
+    }[view]
     x.requires_grad_(view != "expanded")  # an expanded leaf cannot require grad
     assert_identical(grads(stack, ours(FORCE), x), grads(stack, torch_ckpt, x))
 
@@ -155,12 +163,14 @@ def test_small_inputs_and_disabled_config_checkpoint_without_offload():
 def test_stress_random_sizes_and_delays_100_steps(rng):
     rng = random.Random(rng.initial_seed())
     widths = [rng.choice([128, 192, 256, 384, 512]) for _ in range(9)]
-    stack = make_stack(widths, [rng.choice([torch.float32, torch.bfloat16]) for _ in range(8)], seed=rng.randrange(2**31))
+    stack = make_stack(
+        widths, [rng.choice([torch.float32, torch.bfloat16]) for _ in range(8)], seed=rng.randrange(2**31)
+    )
     x = torch.randn(rng.randrange(1024, 4096), widths[0], device="cuda", requires_grad=True)
     expected = grads(stack, torch_ckpt, x)
     off = offload.offloader_for(x, FORCE)
     peaks, held = [], []
-    for step in range(100):
+    for _ in range(100):
         delays = [rng.choice([0, 0, 10**5, 10**6]) for _ in range(8)]  # up to ~0.5 ms per layer
         torch.cuda.reset_peak_memory_stats()
         assert_identical(grads(stack, ours(FORCE), x, delays), expected)
@@ -194,8 +204,17 @@ def test_hugging_face_model():
     from fastft.testing import tiny_hf_model
 
     def step(enable):
-        model = tiny_hf_model("llama", torch.float32, "cuda", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                              head_dim=64, vocab_size=1000, max_position_embeddings=2048)
+        model = tiny_hf_model(
+            "llama",
+            torch.float32,
+            "cuda",
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            head_dim=64,
+            vocab_size=1000,
+            max_position_embeddings=2048,
+        )
         enable(model)
         ids = torch.randint(0, 1000, (2, 1024), device="cuda")
         loss = model(input_ids=ids, labels=ids).loss

@@ -1,8 +1,8 @@
 """fastft.packing: the reference against a brute-force reading of the rules, the Triton backend against the
 reference (hypothesis), the public API's validation, memoization and torch.compile tracing."""
 
-import pytest
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -28,7 +28,10 @@ def brute_force(rows: list[list[int]], window: int):
             flat += 1
     t = len(rows[0]) if rows else 0
     mask = [
-        [[docs[b * t + q] == docs[b * t + k] and k <= q and (window <= 0 or q - k < window) for k in range(t)] for q in range(t)]
+        [
+            [docs[b * t + q] == docs[b * t + k] and k <= q and (window <= 0 or q - k < window) for k in range(t)]
+            for q in range(t)
+        ]
         for b in range(len(rows))
     ]
     return docs, positions, starts + [flat], mask
@@ -91,7 +94,11 @@ def test_triton_matches_torch_from_position_ids(device, position_ids, window, bl
         testing.differential(lambda backend: boundaries_op(source["position_ids"].contiguous(), backend))
     testing.differential(
         lambda backend: testing.packing_outputs(
-            source, windows=(window,), block_sizes=(block_size,), mask_dtypes=(torch.bool, torch.float16), backend=backend
+            source,
+            windows=(window,),
+            block_sizes=(block_size,),
+            mask_dtypes=(torch.bool, torch.float16),
+            backend=backend,
         )
     )
 
@@ -101,13 +108,17 @@ def test_triton_matches_torch_from_lengths(device, lengths_and_tokens, window, a
     lengths, num_tokens = lengths_and_tokens
     values = [sum(lengths[:i]) for i in range(len(lengths) + 1)] if as_cu else lengths
     source = {"cu_seqlens" if as_cu else "seq_lengths": values, "num_tokens": num_tokens, "device": device}
-    testing.differential(lambda backend: testing.packing_outputs(source, windows=(window,), block_sizes=(16,), backend=backend))
+    testing.differential(
+        lambda backend: testing.packing_outputs(source, windows=(window,), block_sizes=(16,), backend=backend)
+    )
 
 
 @given(testing.position_ids_strategy(max_tokens=40), st.integers(0, 3), st.sampled_from([1, 2, 8]))
 def test_small_blocks_match_torch(device, position_ids, window, block_size):
     source = {"position_ids": position_ids.to(device)}
-    testing.differential(lambda backend: testing.packing_outputs(source, windows=(window,), block_sizes=(block_size,), backend=backend))
+    testing.differential(
+        lambda backend: testing.packing_outputs(source, windows=(window,), block_sizes=(block_size,), backend=backend)
+    )
 
 
 @given(testing.position_ids_strategy(max_rows=2, max_tokens=200), testing.window_strategy(), st.sampled_from([16, 64]))
@@ -117,9 +128,14 @@ def test_block_mask_identical_to_create_block_mask(device, position_ids, window,
     info = fastft.packed_seq_info(position_ids=position_ids.to(device))
     doc = info.doc_ids.reshape(-1, position_ids.shape[-1])
     t = doc.shape[-1]
-    expected = create_block_mask(fastft.document_mask_mod(doc, window), doc.shape[0], 1, t, t, device=device, BLOCK_SIZE=block_size)
+    expected = create_block_mask(
+        fastft.document_mask_mod(doc, window), doc.shape[0], 1, t, t, device=device, BLOCK_SIZE=block_size
+    )
     got = info.flex_block_mask(window, block_size)
-    testing.assert_same({f: getattr(got, f) for f in testing.BLOCK_MASK_FIELDS}, {f: getattr(expected, f) for f in testing.BLOCK_MASK_FIELDS})
+    testing.assert_same(
+        {f: getattr(got, f) for f in testing.BLOCK_MASK_FIELDS},
+        {f: getattr(expected, f) for f in testing.BLOCK_MASK_FIELDS},
+    )
     assert got.seq_lengths == (t, t) and got.BLOCK_SIZE == (block_size, block_size)
 
 
@@ -148,7 +164,11 @@ def test_differential_reports_first_mismatch():
         ({}, ValueError, "exactly one of"),
         ({"seq_lengths": [1], "cu_seqlens": [0, 1]}, ValueError, "exactly one of"),
         ({"position_ids": [0, 1]}, TypeError, "position_ids must be a tensor"),
-        ({"position_ids": torch.zeros(2, 2, 2, dtype=torch.long)}, ValueError, r"position_ids must be \[T\] or \[B, T\]"),
+        (
+            {"position_ids": torch.zeros(2, 2, 2, dtype=torch.long)},
+            ValueError,
+            r"position_ids must be \[T\] or \[B, T\]",
+        ),
         ({"position_ids": torch.zeros(3)}, ValueError, "position_ids must have an integer dtype"),
         ({"position_ids": torch.arange(3), "num_tokens": 4}, ValueError, "num_tokens=4"),
         ({"position_ids": torch.arange(3), "max_seqlen": 3}, ValueError, "max_seqlen is only taken with cu_seqlens"),
@@ -188,8 +208,12 @@ def test_validation_does_not_depend_on_earlier_calls():
 
 def test_collator_integer_types_are_accepted():
     want = fastft.packed_seq_info(seq_lengths=[3, 2], backend="torch")
-    for lengths in (np.array([3, 2]), np.array([3, 2], dtype=np.uint16), [np.int64(3), np.int32(2)],
-                    torch.tensor([3, 2], dtype=torch.uint32)):
+    for lengths in (
+        np.array([3, 2]),
+        np.array([3, 2], dtype=np.uint16),
+        [np.int64(3), np.int32(2)],
+        torch.tensor([3, 2], dtype=torch.uint32),
+    ):
         info = fastft.packed_seq_info(seq_lengths=lengths, backend="torch")
         assert info.cu_seqlens.tolist() == want.cu_seqlens.tolist() and info.max_seqlen == 3
     info = fastft.packed_seq_info(cu_seqlens=np.array([0, 3, 5]), max_seqlen=np.int64(3), num_tokens=np.int64(6))
@@ -274,7 +298,11 @@ def test_custom_ops_pass_opcheck(device, backend, rng):
         torch.library.opcheck(fn.op, args)
 
 
-@given(testing.position_ids_strategy(max_rows=2, max_tokens=64), testing.window_strategy(40), st.sampled_from([torch.bool, torch.float32]))
+@given(
+    testing.position_ids_strategy(max_rows=2, max_tokens=64),
+    testing.window_strategy(40),
+    st.sampled_from([torch.bool, torch.float32]),
+)
 def test_sdpa_mask_small_tiles_match_reference(device, position_ids, window, dtype):
     # Small tiles so that most tiles are skipped as empty and the rest straddle document edges.
     if position_ids.numel() == 0:

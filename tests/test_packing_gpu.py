@@ -37,7 +37,9 @@ def test_sync_budget():
         info.cu_seqlens, info.max_seqlen, info.doc_ids, info.sdpa_mask(64), info.flex_block_mask(), info.varlen_kwargs()
 
     assert _syncs(from_host) == 0
-    assert _syncs(lambda: fastft.packed_seq_info(cu_seqlens=[0, 5, 9], max_seqlen=5, device="cuda").varlen_kwargs()) == 0
+    assert (
+        _syncs(lambda: fastft.packed_seq_info(cu_seqlens=[0, 5, 9], max_seqlen=5, device="cuda").varlen_kwargs()) == 0
+    )
 
     fresh = pos.clone()
 
@@ -77,7 +79,9 @@ def test_varlen_attn_matches_sdpa_with_mask(window):
     extra = {"window_size": kw["window_size"]} if "window_size" in params else {"is_causal": True}
     if window and "window_size" not in params:
         pytest.skip("this torch's varlen_attn has no window_size")
-    out = varlen.varlen_attn(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["max_seqlen_q"], kw["max_seqlen_k"], **extra)
+    out = varlen.varlen_attn(
+        q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"], kw["max_seqlen_q"], kw["max_seqlen_k"], **extra
+    )
     ref = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=info.sdpa_mask(window)
     )[0].transpose(0, 1)
@@ -123,10 +127,18 @@ def test_large_batches_match_torch(rng):
     g = rng
     for t in (100_000, 1_000_003):
         pos = testing.random_position_ids(g, None, t, 4000).cuda()
-        testing.differential(lambda backend: testing.packing_outputs({"position_ids": pos}, windows=(), backend=backend))
+        testing.differential(
+            lambda backend: testing.packing_outputs({"position_ids": pos}, windows=(), backend=backend)
+        )
         lengths = testing.random_seq_lengths(g, t, 3000)
         testing.differential(
-            lambda backend: testing.packing_outputs({"seq_lengths": lengths, "num_tokens": t, "device": "cuda"}, windows=(), backend=backend)
+            lambda backend: testing.packing_outputs(
+                {"seq_lengths": lengths, "num_tokens": t, "device": "cuda"}, windows=(), backend=backend
+            )
         )
     pos = testing.random_position_ids(g, 2, 16384, 3000).cuda()
-    testing.differential(lambda backend: testing.packing_outputs({"position_ids": pos}, windows=(None, 777), block_sizes=(128,), mask_dtypes=(), backend=backend))
+    testing.differential(
+        lambda backend: testing.packing_outputs(
+            {"position_ids": pos}, windows=(None, 777), block_sizes=(128,), mask_dtypes=(), backend=backend
+        )
+    )

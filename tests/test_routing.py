@@ -38,7 +38,14 @@ def brute_force(ids: list[list[int]], num_experts: int, block_size: int, expert_
     return counts, padded, slots, inverse, expert_of_slot
 
 
-@given(testing.seeds_strategy(), st.integers(0, 40), st.integers(1, 5), st.integers(1, 12), st.integers(1, 9), st.booleans())
+@given(
+    testing.seeds_strategy(),
+    st.integers(0, 40),
+    st.integers(1, 5),
+    st.integers(1, 12),
+    st.integers(1, 9),
+    st.booleans(),
+)
 def test_reference_matches_the_rules(seed, tokens, top_k, num_experts, block_size, use_map):
     g = torch.Generator().manual_seed(seed)
     ids = testing.random_topk_ids(g, tokens, top_k, num_experts, unrouted=0.2)
@@ -103,8 +110,13 @@ def test_edge_shapes(device, tokens, top_k, num_experts, block_size, rng):
     case = testing.random_routing_case(g, device, 8)
     ids = testing.random_topk_ids(g, tokens, top_k, num_experts).to(device)
     x = torch.randn(tokens, 24, device=device)
-    case.update(topk_ids=ids, options={"num_experts": num_experts, "block_size": block_size}, x=x,
-                weights=torch.rand(tokens, top_k, device=device), table=torch.randn(num_experts, 3, device=device))
+    case.update(
+        topk_ids=ids,
+        options={"num_experts": num_experts, "block_size": block_size},
+        x=x,
+        weights=torch.rand(tokens, top_k, device=device),
+        table=torch.randn(num_experts, 3, device=device),
+    )
     testing.check_routing_case(case)
 
 
@@ -159,19 +171,34 @@ def test_gradients_match_autograd_of_plain_torch(device, rng):
         ((torch.zeros(2, 2, dtype=torch.long), 4.0), {}, TypeError, "num_experts must be an int"),
         ((torch.zeros(2, 2, dtype=torch.long), 4), {"block_size": 0}, ValueError, "block_size must be an int >= 1"),
         ((torch.zeros(2, 2, dtype=torch.long), 4), {"num_local_experts": 2}, ValueError, "only taken with expert_map"),
-        ((torch.zeros(2, 2, dtype=torch.long), 4), {"expert_map": torch.zeros(4, dtype=torch.int32)}, ValueError,
-         "num_local_experts is required"),
-        ((torch.zeros(2, 2, dtype=torch.long), 4), {"expert_map": torch.zeros(3, dtype=torch.int32), "num_local_experts": 1},
-         ValueError, r"expert_map must have shape \(4,\)"),
-        ((torch.zeros(2, 2, dtype=torch.long), 4), {"expert_map": torch.zeros(4), "num_local_experts": 1},
-         TypeError, "expert_map must be int32 or int64"),
+        (
+            (torch.zeros(2, 2, dtype=torch.long), 4),
+            {"expert_map": torch.zeros(4, dtype=torch.int32)},
+            ValueError,
+            "num_local_experts is required",
+        ),
+        (
+            (torch.zeros(2, 2, dtype=torch.long), 4),
+            {"expert_map": torch.zeros(3, dtype=torch.int32), "num_local_experts": 1},
+            ValueError,
+            r"expert_map must have shape \(4,\)",
+        ),
+        (
+            (torch.zeros(2, 2, dtype=torch.long), 4),
+            {"expert_map": torch.zeros(4), "num_local_experts": 1},
+            TypeError,
+            "expert_map must be int32 or int64",
+        ),
         ((torch.zeros(2, 2, dtype=torch.long), 4), {"backend": "cuda"}, ValueError, "backend must be one of"),
-        ((torch.zeros(1, 1, dtype=torch.int32).expand(2**16, 2**15 + 1), 4), {}, ValueError,
-         "int32 slot indices"),
+        ((torch.zeros(1, 1, dtype=torch.int32).expand(2**16, 2**15 + 1), 4), {}, ValueError, "int32 slot indices"),
         ((torch.zeros(2, 2, dtype=torch.long), 10**9), {}, ValueError, "num_experts=1000000000 .* implies"),
         ((torch.zeros(2, 2, dtype=torch.long), 2**31), {}, ValueError, "num_experts=2147483648 .* implies"),
-        ((torch.zeros(2, 2, dtype=torch.long), 4), {"expert_map": torch.zeros(4, dtype=torch.int32),
-                                                   "num_local_experts": 2**30}, ValueError, "num_local_experts=1073741824"),
+        (
+            (torch.zeros(2, 2, dtype=torch.long), 4),
+            {"expert_map": torch.zeros(4, dtype=torch.int32), "num_local_experts": 2**30},
+            ValueError,
+            "num_local_experts=1073741824",
+        ),
     ],
 )
 def test_route_bad_input(args, kwargs, error, match):
@@ -207,12 +234,17 @@ def test_routing_is_made_by_moe_route_only():
     r = fastft.moe_route(torch.tensor([[0, 1], [1, 1]]), 2, block_size=2)
     bad = r.inverse + 10**6  # slots far out of range
     with pytest.raises(TypeError, match="MoERouting is made by fastft.moe_route only"):
-        fastft.MoERouting(r.counts, r.offsets, r.padded_offsets, r.sorted_pair, bad, r.expert_of_block, 2, 2, 2, 2, 2, 6)
+        fastft.MoERouting(
+            r.counts, r.offsets, r.padded_offsets, r.sorted_pair, bad, r.expert_of_block, 2, 2, 2, 2, 2, 6
+        )
     with pytest.raises(TypeError, match="made by fastft.moe_route only"):
         dataclasses.replace(r, inverse=bad)
     r.inverse[0, 0] = 10**6  # in place, after routing
-    for op in (lambda: fastft.moe_permute(torch.ones(2, 3), r), lambda: fastft.moe_unpermute(torch.ones(6, 3), r),
-               lambda: fastft.moe_expert_rows(torch.ones(2, 3), r)):
+    for op in (
+        lambda: fastft.moe_permute(torch.ones(2, 3), r),
+        lambda: fastft.moe_unpermute(torch.ones(6, 3), r),
+        lambda: fastft.moe_expert_rows(torch.ones(2, 3), r),
+    ):
         with pytest.raises(ValueError, match="changed in place after moe_route"):
             op()
     with torch.inference_mode():  # inference tensors have no version counter: routing still works
@@ -220,8 +252,17 @@ def test_routing_is_made_by_moe_route_only():
         assert fastft.moe_permute(torch.ones(1, 3), r).shape == (2, 3)
 
 
-ROW_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float64, torch.complex64, torch.complex128,
-              torch.int8, torch.int64, torch.bool]
+ROW_DTYPES = [
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.bfloat16,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.int64,
+    torch.bool,
+]
 
 
 @pytest.mark.parametrize("dtype", ROW_DTYPES)
@@ -230,7 +271,7 @@ def test_row_moves_take_every_dtype_bit_exactly(device, dtype, rng):
     ids = testing.random_topk_ids(rng, 37, 3, 6).to(device)
     r = fastft.moe_route(ids, 6, block_size=4)
     raw = torch.randint(-(2**62), 2**62, (37, 24), generator=rng, dtype=torch.int64)
-    x = raw.view(torch.uint8)[:, :24 * dtype.itemsize].contiguous().view(dtype) if dtype != torch.bool else raw > 0
+    x = raw.view(torch.uint8)[:, : 24 * dtype.itemsize].contiguous().view(dtype) if dtype != torch.bool else raw > 0
     x = x[:, :5].to(device)
     table = x[:6]
     for backend in ("triton", "torch"):

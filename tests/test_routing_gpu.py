@@ -5,9 +5,9 @@ import torch
 
 import fastft
 from fastft import testing
+from fastft.reference import routing as reference
 from fastft.testing import MOE_SHAPES as SHAPES
 from fastft.testing import no_host_sync, router_ids
-from fastft.reference import routing as reference
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +21,8 @@ def test_model_shapes_match_reference(name, block_size, rng):
     ids = router_ids(16384, experts, top_k, "cuda", seed=int(torch.randint(0, 2**31, (1,), generator=g)))
     ids[torch.rand(ids.shape, device="cuda") < 0.01] = -1  # a few dropped pairs
     case.update(
-        topk_ids=ids, options={"num_experts": experts, "block_size": block_size},
+        topk_ids=ids,
+        options={"num_experts": experts, "block_size": block_size},
         x=torch.randn(16384, hidden // 8, device="cuda", dtype=torch.bfloat16),
         weights=torch.rand(16384, top_k, device="cuda"),
         table=torch.randn(experts, 64, device="cuda", dtype=torch.bfloat16),
@@ -41,9 +42,13 @@ def test_expert_parallel_map(rng):
     emap = torch.full((256,), -1, dtype=torch.int32)
     emap[64:96] = torch.arange(32, dtype=torch.int32)  # this rank owns global experts 64..95
     case = testing.random_routing_case(g, "cuda", 8)
-    case.update(topk_ids=ids, options={"num_experts": 256, "block_size": 64, "expert_map": emap.cuda(), "num_local_experts": 32},
-                x=torch.randn(8192, 96, device="cuda"), weights=torch.rand(8192, 8, device="cuda"),
-                table=torch.randn(32, 16, device="cuda"))
+    case.update(
+        topk_ids=ids,
+        options={"num_experts": 256, "block_size": 64, "expert_map": emap.cuda(), "num_local_experts": 32},
+        x=torch.randn(8192, 96, device="cuda"),
+        weights=torch.rand(8192, 8, device="cuda"),
+        table=torch.randn(32, 16, device="cuda"),
+    )
     testing.check_routing_case(case)
 
 
@@ -92,7 +97,9 @@ def test_cuda_graph_capture_and_replay():
     ids = router_ids(4096, 32, 4, "cuda", seed=1)
     x = torch.randn(4096, 128, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(4096, 4, device="cuda")
-    fastft.moe_unpermute(fastft.moe_permute(x, fastft.moe_route(ids, 32, block_size=16)), fastft.moe_route(ids, 32, block_size=16), w)
+    fastft.moe_unpermute(
+        fastft.moe_permute(x, fastft.moe_route(ids, 32, block_size=16)), fastft.moe_route(ids, 32, block_size=16), w
+    )
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -130,12 +137,18 @@ def test_addresses_past_2_31_elements():
     xs = fastft.moe_permute(x, r)
     assert xs.numel() > 2**31
     g = torch.Generator(device="cuda").manual_seed(0)
-    slots = torch.cat([torch.arange(r.capacity - 64, r.capacity, device="cuda"),
-                       torch.randint(0, r.capacity, (4096,), device="cuda", generator=g)])
+    slots = torch.cat(
+        [
+            torch.arange(r.capacity - 64, r.capacity, device="cuda"),
+            torch.randint(0, r.capacity, (4096,), device="cuda", generator=g),
+        ]
+    )
     testing.assert_same(xs[slots], x[r.sorted_pair[slots].long() // k])
     w = torch.rand(t, k, device="cuda")
     y = fastft.moe_unpermute(xs, r, w)
-    tokens = torch.cat([torch.arange(t - 64, t, device="cuda"), torch.randint(0, t, (512,), device="cuda", generator=g)])
+    tokens = torch.cat(
+        [torch.arange(t - 64, t, device="cuda"), torch.randint(0, t, (512,), device="cuda", generator=g)]
+    )
     expected = (w[tokens, :, None] * x[tokens, None].float()).sum(1).to(torch.bfloat16)
     testing.assert_same(y[tokens], expected, atol=0.05, rtol=0.02)
 

@@ -16,10 +16,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def _source_packages() -> set[str]:
     """Every package of the source tree under its installed name (kernels/ installs as fastft.kernels)."""
     found = set()
-    for top, installed in (("fastft", "fastft"), ("kernels", "fastft/kernels"), ("autotune_cache", "fastft/autotune_cache")):
+    for top, installed in (
+        ("fastft", "fastft"),
+        ("kernels", "fastft/kernels"),
+        ("autotune_cache", "fastft/autotune_cache"),
+    ):
         for d in [ROOT / top, *(p for p in (ROOT / top).rglob("*") if p.is_dir() and p.name != "__pycache__")]:
             if (d / "__init__.py").exists() or any(d.glob("*.json")):
-                found.add(installed + d.as_posix()[len((ROOT / top).as_posix()):])
+                found.add(installed + d.as_posix()[len((ROOT / top).as_posix()) :])
     return found
 
 
@@ -33,7 +37,18 @@ def wheel(tmp_path_factory) -> Path:
     for name in ("fastft", "kernels", "autotune_cache"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp / "dist"), str(src)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp / "dist"),
+            str(src),
+        ],
         check=True,
     )
     (path,) = (tmp / "dist").glob("fastft-*.whl")
@@ -57,7 +72,9 @@ def test_installed_wheel_works_outside_the_source_tree(wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", str(wheel)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", str(wheel)], check=True
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     work = tmp_path / "elsewhere"
     work.mkdir()
@@ -67,13 +84,16 @@ def test_installed_wheel_works_outside_the_source_tree(wheel, tmp_path):
         assert out.returncode == 0, out.stdout + out.stderr
         return out.stdout
 
-    imported = run("-c", (
-        "import importlib, pkgutil, fastft\n"
-        "names = [m.name for m in pkgutil.walk_packages(fastft.__path__, 'fastft.')]\n"
-        "for n in names: importlib.import_module(n)\n"
-        "from fastft.integrations.transformers import apply\n"
-        "print(fastft.__file__); print(len(names))\n"
-    )).split()
+    imported = run(
+        "-c",
+        (
+            "import importlib, pkgutil, fastft\n"
+            "names = [m.name for m in pkgutil.walk_packages(fastft.__path__, 'fastft.')]\n"
+            "for n in names: importlib.import_module(n)\n"
+            "from fastft.integrations.transformers import apply\n"
+            "print(fastft.__file__); print(len(names))\n"
+        ),
+    ).split()
     assert imported[0].startswith(str(venv)), f"fastft came from {imported[0]}, not the installed wheel"
     assert int(imported[1]) >= 20
     assert "packing.sdpa_mask" in run("-m", "fastft", "info")

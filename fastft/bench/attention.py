@@ -31,7 +31,11 @@ def _peak_gib(fn, device) -> float | None:
 def _dense_sinks(q, k, v, mask, sinks):
     """gpt-oss eager attention: scores, the sink column, softmax, drop the sink (transformers' own steps)."""
     groups = q.shape[2] // k.shape[2]
-    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(groups, 1), v.transpose(1, 2).repeat_interleave(groups, 1)
+    qh, kh, vh = (
+        q.transpose(1, 2),
+        k.transpose(1, 2).repeat_interleave(groups, 1),
+        v.transpose(1, 2).repeat_interleave(groups, 1),
+    )
     scores = qh @ kh.transpose(-1, -2) * q.shape[-1] ** -0.5 + mask
     sink = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.cat([scores, sink], dim=-1).float().softmax(dim=-1)[..., :-1].to(q.dtype)
@@ -84,8 +88,12 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         except torch.OutOfMemoryError:
             slow, slow_peak = None, None
         ours_peak = _peak_gib(ours, device)
-        memory = "" if ours_peak is None else f"; peak {ours_peak:.2f} GiB vs " + (
-            f"{slow_peak:.2f} GiB" if slow_peak is not None else "out of memory")
+        memory = (
+            ""
+            if ours_peak is None
+            else f"; peak {ours_peak:.2f} GiB vs "
+            + (f"{slow_peak:.2f} GiB" if slow_peak is not None else "out of memory")
+        )
         shape = f"{name}: {tokens} tokens, {len(lengths)} docs, {heads}/{kv_heads} heads x {dim}, fwd+bwd"
         rows.append(Row("packed_attention", shape, label, slow, fast, path, f"mask build not timed{memory}"))
     return rows

@@ -68,11 +68,14 @@ def format_table(rows: list[Row]) -> str:
     head = ("op", "shape", "baseline", "baseline ms", "fastft ms", "speedup", "backend", "note")
     body = [
         (
-            r.op, r.shape, r.baseline,
+            r.op,
+            r.shape,
+            r.baseline,
             "-" if r.baseline_ms is None else f"{r.baseline_ms:.4f}",
             f"{r.fastft_ms:.4f}",
             "-" if r.speedup is None else f"{r.speedup:.1f}x",
-            r.backend, r.note,
+            r.backend,
+            r.note,
         )
         for r in rows
     ]

@@ -19,11 +19,21 @@ def run(device: torch.device, quick: bool) -> list[Row]:
 
     def torch_pack():
         for t, e in zip(tensors, layout.entries):
-            buf[e.offset:e.offset + e.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            buf[e.offset : e.offset + e.nbytes].view(t.dtype).view(t.shape).copy_(t)
 
     moved = 2 * layout.nbytes
     ms_torch = time_ms(torch_pack, device)
     ms_ours = time_ms(lambda: copy.pack(tensors, out=buf), device)
     note = f"{moved / (ms_ours * 1e6):.0f} GB/s read+write" if device.type == "cuda" else ""
-    rows.append(Row("copy.pack", f"3 bf16 tensors (strided, transposed, contiguous), {layout.nbytes >> 20} MiB", "torch copy_ per tensor", ms_torch, ms_ours, backend, note))
+    rows.append(
+        Row(
+            "copy.pack",
+            f"3 bf16 tensors (strided, transposed, contiguous), {layout.nbytes >> 20} MiB",
+            "torch copy_ per tensor",
+            ms_torch,
+            ms_ours,
+            backend,
+            note,
+        )
+    )
     return rows

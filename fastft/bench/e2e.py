@@ -22,7 +22,6 @@ import math
 import os
 import statistics
 import time
-import types
 
 import torch
 import torch.nn.functional as F
@@ -30,14 +29,27 @@ import torch.nn.functional as F
 from fastft.testing import MODEL_CONFIGS as MODELS
 from fastft.testing import sft_lengths
 
-TINY = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_local_experts=8,
-            num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, sliding_window=16)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    sliding_window=16,
+)
 COLUMNS = ("naive glue", "stock sdpa", "stock flex", "fastft, peft lora", "fastft")
 GPU_ONLY = ("stock flex",)
 TOKENS = {"gpt-oss-20b": 4096}
 
 
-def _naive_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
+def _naive_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs
+):
     """Packed attention the way per-layer glue does it: boundaries rebuilt in every layer, with syncs."""
     from fastft import attention
 
@@ -60,7 +72,9 @@ def _naive_attention(module, query, key, value, attention_mask, scaling=None, dr
         import sys
 
         mask = torch.zeros(ok.shape, dtype=query.dtype, device=ok.device).masked_fill(~ok, float("-inf"))[None, None]
-        return sys.modules[type(module).__module__].eager_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=dropout)
+        return sys.modules[type(module).__module__].eager_attention_forward(
+            module, query, key, value, mask, scaling=scaling, dropout=dropout
+        )
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=ok[None, None], scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
@@ -78,7 +92,9 @@ def _build(name: str, column: str, device, tiny: bool):
     config = getattr(transformers, config_cls)(**fields, use_cache=False)
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the device: minutes on a CPU for billions of weights
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32
+        )
     model = model.train()
     moe = ft_hf.has_experts(model)
     if column == "naive glue":
@@ -86,7 +102,9 @@ def _build(name: str, column: str, device, tiny: bool):
         model.set_attn_implementation("naive_packed")
         model.gradient_checkpointing_enable()
         single = fastft.OffloadConfig(enabled=True, double_buffer=False)
-        model._set_gradient_checkpointing(True, lambda f, *a, **k: fastft.offloaded_checkpoint(f, *a, offload_config=single, **k))
+        model._set_gradient_checkpointing(
+            True, lambda f, *a, **k: fastft.offloaded_checkpoint(f, *a, offload_config=single, **k)
+        )
     elif column.startswith("stock"):
         attention = "flex_attention" if column == "stock flex" else "eager" if name.startswith("gpt-oss") else "sdpa"
         model.set_attn_implementation(attention)
@@ -121,15 +139,21 @@ def describe(device: torch.device, quick: bool) -> str:
     if lora:
         lines.append("LoRA r=16 on the attention (and dense MLP) projections through peft, AdamW")
     else:
-        lines.append("peft is not installed: all weights train, so 'fastft, peft lora' would repeat 'fastft' and is "
-                     "skipped (pip install peft for the LoRA columns)")
+        lines.append(
+            "peft is not installed: all weights train, so 'fastft, peft lora' would repeat 'fastft' and is "
+            "skipped (pip install peft for the LoRA columns)"
+        )
     if device.type != "cuda":
         lines.append("'stock flex' needs a GPU and is skipped; no peak memory without one")
         if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("FASTFT_BACKEND", "auto") != "torch":
-            lines.append("fastft columns run its Triton kernels in Triton's interpreter, slowly by design "
-                         "(FASTFT_BACKEND=torch runs its torch path)")
-    lines.append("each column starts from the same weights and batch: fastft's first-step losses must equal naive "
-                 "glue's (exit status 1 if not)")
+            lines.append(
+                "fastft columns run its Triton kernels in Triton's interpreter, slowly by design "
+                "(FASTFT_BACKEND=torch runs its torch path)"
+            )
+    lines.append(
+        "each column starts from the same weights and batch: fastft's first-step losses must equal naive "
+        "glue's (exit status 1 if not)"
+    )
     return "\n".join("  " + line for line in lines)
 
 
@@ -170,8 +194,10 @@ def loss_check(records: list[dict]) -> tuple[bool, str]:
                 parts.append(f"{column} {rel:.1e}" + ("" if good else " FAILS"))
             else:
                 parts.append(f"{column} {rel:.1e}" + ("" if good else " (differs: stock)"))
-        lines.append(f"loss check {name}: relative difference to naive glue ({base['loss']:.5f}, tolerance "
-                     f"{tol:g}): " + ", ".join(parts))
+        lines.append(
+            f"loss check {name}: relative difference to naive glue ({base['loss']:.5f}, tolerance "
+            f"{tol:g}): " + ", ".join(parts)
+        )
     return ok, "\n".join(lines)
 
 
@@ -232,12 +258,27 @@ def run(device: torch.device, quick: bool, models=None) -> list[dict]:
             except torch.OutOfMemoryError:
                 ms, peak, loss = float("nan"), -1, float("nan")
             peak_gib = peak / 2**30 if peak >= 0 else None
-            records.append({"model": name, "column": column, "step_ms": ms, "tokens_per_s": tokens / ms * 1000,
-                            "peak_gib": peak_gib, "tokens": tokens, "documents": len(lengths), "lora": lora,
-                            "layers": 2 if tiny else MODELS[name][2], "loss": loss, "dtype": str(dtype).split(".")[-1]})
+            records.append(
+                {
+                    "model": name,
+                    "column": column,
+                    "step_ms": ms,
+                    "tokens_per_s": tokens / ms * 1000,
+                    "peak_gib": peak_gib,
+                    "tokens": tokens,
+                    "documents": len(lengths),
+                    "lora": lora,
+                    "layers": 2 if tiny else MODELS[name][2],
+                    "loss": loss,
+                    "dtype": str(dtype).split(".")[-1],
+                }
+            )
             memory = f"peak {peak_gib:6.2f} GiB" if peak_gib is not None else "peak n/a (no GPU)"
-            print(f"{name:14s} {column:17s} {ms:9.1f} ms/step  {tokens / ms * 1000:9.0f} tok/s  {memory}  "
-                  f"loss {loss:.5f}", flush=True)
+            print(
+                f"{name:14s} {column:17s} {ms:9.1f} ms/step  {tokens / ms * 1000:9.0f} tok/s  {memory}  "
+                f"loss {loss:.5f}",
+                flush=True,
+            )
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -246,13 +287,18 @@ def run(device: torch.device, quick: bool, models=None) -> list[dict]:
 
 def format_table(records: list[dict]) -> str:
     by = {(r["model"], r["column"]): r for r in records}
-    lines = ["| model | layers | tokens | column | step ms | tokens/s | peak GiB | fastft speedup |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | layers | tokens | column | step ms | tokens/s | peak GiB | fastft speedup |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in records:
         ours = by.get((r["model"], "fastft"))
         ratio = f"{r['step_ms'] / ours['step_ms']:.2f}x" if ours and r["column"] != "fastft" else "-"
         peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "n/a"
-        lines.append(f"| {r['model']} | {r['layers']} | {r['tokens']} | {r['column']} | {r['step_ms']:.1f} | "
-                     f"{r['tokens_per_s']:.0f} | {peak} | {ratio} |")
+        lines.append(
+            f"| {r['model']} | {r['layers']} | {r['tokens']} | {r['column']} | {r['step_ms']:.1f} | "
+            f"{r['tokens_per_s']:.0f} | {peak} | {ratio} |"
+        )
     return "\n".join(lines)
 
 

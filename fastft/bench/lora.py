@@ -10,7 +10,11 @@ import torch.nn.functional as F
 from .common import Row, time_ms
 
 # name -> (in features, out features), rank 16
-SHAPES = {"Qwen3-0.6B gate_proj": (1024, 3072), "Llama-3.2-1B q_proj": (2048, 2048), "Qwen3-8B down_proj": (12288, 4096)}
+SHAPES = {
+    "Qwen3-0.6B gate_proj": (1024, 3072),
+    "Llama-3.2-1B q_proj": (2048, 2048),
+    "Qwen3-8B down_proj": (12288, 4096),
+}
 
 
 def run(device: torch.device, quick: bool) -> list[Row]:
@@ -46,7 +50,16 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         ours_ms = time_ms(step, device, rep_ms=300 if gpu else 50)
         floor_ms = time_ms(base, device, rep_ms=300 if gpu else 50)
         shape = f"{name}, {tokens} tokens ({fan_in} -> {fan_out}, r=16), fwd+bwd"
-        rows.append(Row("lora_linear", shape, "PEFT LoRA forward", peft_ms, ours_ms, "torch (cuBLAS)",
-                        f"frozen base linear alone {floor_ms:.3f} ms"))
+        rows.append(
+            Row(
+                "lora_linear",
+                shape,
+                "PEFT LoRA forward",
+                peft_ms,
+                ours_ms,
+                "torch (cuBLAS)",
+                f"frozen base linear alone {floor_ms:.3f} ms",
+            )
+        )
         del model, layer, x
     return rows

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import fastft
-from fastft import copy, dispatch, offload
+from fastft import offload
 
 from .common import Row, time_ms
 
@@ -32,8 +32,10 @@ LAYERS = 8
 class DecoderLayer(torch.nn.Module):
     def __init__(self, hidden, heads, kv_heads, head_dim, inter, device, dtype):
         super().__init__()
+
         def w(i, o):
             return torch.nn.Parameter(torch.randn(i, o, device=device, dtype=dtype) / i**0.5)
+
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.norm1 = torch.nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
         self.norm2 = torch.nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
@@ -69,7 +71,9 @@ def _checkpoint_fns():
         return checkpoint(f, h, use_reentrant=False)
 
     def single(f, h):
-        return fastft.offloaded_checkpoint(f, h, offload_config=offload.OffloadConfig(enabled=True, double_buffer=False))
+        return fastft.offloaded_checkpoint(
+            f, h, offload_config=offload.OffloadConfig(enabled=True, double_buffer=False)
+        )
 
     def double(f, h):
         return fastft.offloaded_checkpoint(f, h, offload_config=offload.OffloadConfig(enabled=True, double_buffer=True))
@@ -119,8 +123,20 @@ def run_offload(device: torch.device, quick: bool) -> list[Row]:
     if device.type != "cuda":  # tiny stack; offloaded_checkpoint is plain checkpointing on CPU
         layers = [DecoderLayer(64, 4, 2, 16, 128, device, torch.float32) for _ in range(2)]
         x = torch.randn(64, 64, device=device, requires_grad=True)
-        plain_ms, ms = (time_ms(lambda f=fns[k]: _step(layers, x, f), device) for k in ("checkpoint", "offload 2 buffers"))
-        rows.append(Row("offloaded_checkpoint", "tiny 2-layer stack, 64 tokens", "torch checkpoint", plain_ms, ms, "torch", "CPU: plain checkpointing, no offload"))
+        plain_ms, ms = (
+            time_ms(lambda f=fns[k]: _step(layers, x, f), device) for k in ("checkpoint", "offload 2 buffers")
+        )
+        rows.append(
+            Row(
+                "offloaded_checkpoint",
+                "tiny 2-layer stack, 64 tokens",
+                "torch checkpoint",
+                plain_ms,
+                ms,
+                "torch",
+                "CPU: plain checkpointing, no offload",
+            )
+        )
         return rows
     steps = 3 if quick else 15
     cases = [("Qwen3-0.6B", 4096)] if quick else CASES
@@ -138,11 +154,19 @@ def run_offload(device: torch.device, quick: bool) -> list[Row]:
             off = offload.offloader_for(x, offload.OffloadConfig(enabled=True, double_buffer=buffers == 2))
             copy_ms, hidden_frac = _hidden_fraction(layers, x, fns[label], off)
             saved = (plain_peak - peak) / size
-            rows.append(Row(
-                f"offloaded_checkpoint ({label})", shape, "torch checkpoint", plain_ms, ms, "cuda",
-                f"{ms / plain_ms:.3f}x checkpoint's step; peak {peak / 2**30:.2f} GiB vs {plain_peak / 2**30:.2f} GiB "
-                f"({saved:.1f} layer inputs less); reload {copy_ms:.2f} ms/step, {100 * hidden_frac:.0f}% hidden",
-            ))
+            rows.append(
+                Row(
+                    f"offloaded_checkpoint ({label})",
+                    shape,
+                    "torch checkpoint",
+                    plain_ms,
+                    ms,
+                    "cuda",
+                    f"{ms / plain_ms:.3f}x checkpoint's step; peak {peak / 2**30:.2f} GiB vs "
+                    f"{plain_peak / 2**30:.2f} GiB "
+                    f"({saved:.1f} layer inputs less); reload {copy_ms:.2f} ms/step, {100 * hidden_frac:.0f}% hidden",
+                )
+            )
         del layers, x
         torch.cuda.empty_cache()
     return rows

@@ -22,8 +22,12 @@ def run(device: torch.device, quick: bool) -> list[Row]:
     d2h = time_ms(lambda: host.copy_(buf, non_blocking=True), device)
     h2d = time_ms(lambda: buf.copy_(host, non_blocking=True), device)
     mib = nbytes >> 20
-    rows.append(Row("pinned copy", f"{mib} MiB", "-", None, d2h, "cuda", f"device->host {nbytes / (d2h * 1e6):.1f} GB/s"))
-    rows.append(Row("pinned copy", f"{mib} MiB", "-", None, h2d, "cuda", f"host->device {nbytes / (h2d * 1e6):.1f} GB/s"))
+    rows.append(
+        Row("pinned copy", f"{mib} MiB", "-", None, d2h, "cuda", f"device->host {nbytes / (d2h * 1e6):.1f} GB/s")
+    )
+    rows.append(
+        Row("pinned copy", f"{mib} MiB", "-", None, h2d, "cuda", f"host->device {nbytes / (h2d * 1e6):.1f} GB/s")
+    )
 
     off = Offloader(device)
     back = torch.empty_like(x)
@@ -37,6 +41,15 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         saved.on_device = None  # force the host round trip (offload keeps its newest tensor on the GPU)
         off.reload(saved).wait()
 
-    rows.append(Row("Offloader offload+reload", f"{mib} MiB bf16", "torch pinned copy_ both ways",
-                    time_ms(theirs, device), time_ms(ours, device), "cuda", "pooled exact-size pinned memory"))
+    rows.append(
+        Row(
+            "Offloader offload+reload",
+            f"{mib} MiB bf16",
+            "torch pinned copy_ both ways",
+            time_ms(theirs, device),
+            time_ms(ours, device),
+            "cuda",
+            "pooled exact-size pinned memory",
+        )
+    )
     return rows

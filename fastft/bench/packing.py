@@ -28,7 +28,7 @@ def run(device: torch.device, quick: bool) -> list[Row]:
     gpu = device.type == "cuda"
 
     # 1) Boundaries from device position ids: a fresh build, as the first layer of a batch pays it.
-    for t in ((4096,) if quick else (16384, 131072)):
+    for t in (4096,) if quick else (16384, 131072):
         pos = documents(t, max(1, t // 512), device)
 
         def build():
@@ -36,8 +36,17 @@ def run(device: torch.device, quick: bool) -> list[Row]:
             return info.cu_seqlens, info.max_seqlen
 
         assert torch.equal(build()[0], naive_boundaries(pos)[0])
-        rows.append(Row("boundaries: first build", f"T={t}", "nonzero + .item()", time_ms(lambda: naive_boundaries(pos), device),
-                        time_ms(build, device), backend, "both sync once"))
+        rows.append(
+            Row(
+                "boundaries: first build",
+                f"T={t}",
+                "nonzero + .item()",
+                time_ms(lambda: naive_boundaries(pos), device),
+                time_ms(build, device),
+                backend,
+                "both sync once",
+            )
+        )
 
     # 2) Dense SDPA mask.
     t = 512 if quick else 16384
@@ -47,15 +56,23 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         assert_same(ours(), reference.sdpa_mask(doc, 0, dtype))
         floor = write_bandwidth_ms(t * t * torch.empty((), dtype=dtype).element_size(), device)
         fast = time_ms(ours, device)
-        rows.append(Row(f"sdpa_mask {dtype}", f"T={t}, 32 docs", "torch reference (vectorised)",
-                        time_ms(lambda: reference.sdpa_mask(doc, 0, dtype), device), fast, backend,
-                        f"{fast / floor:.2f}x the write floor ({floor:.4f} ms)"))
+        rows.append(
+            Row(
+                f"sdpa_mask {dtype}",
+                f"T={t}, 32 docs",
+                "torch reference (vectorised)",
+                time_ms(lambda: reference.sdpa_mask(doc, 0, dtype), device),
+                fast,
+                backend,
+                f"{fast / floor:.2f}x the write floor ({floor:.4f} ms)",
+            )
+        )
 
     # 3) FlexAttention BlockMask, against create_block_mask with the same document mask_mod.
     from torch.nn.attention.flex_attention import create_block_mask
 
     compiled = torch.compile(create_block_mask) if gpu else None
-    for t in ((1024,) if quick else (32768, 131072)):
+    for t in (1024,) if quick else (32768, 131072):
         doc = fastft.packed_seq_info(position_ids=documents(t, max(1, t // 512), device)).doc_ids.view(1, t)
         mask_mod = packing.document_mask_mod(doc)
 
@@ -67,13 +84,24 @@ def run(device: torch.device, quick: bool) -> list[Row]:
 
         expected = theirs()
         got = ours()
-        assert_same({f: getattr(got, f) for f in BLOCK_MASK_FIELDS}, {f: getattr(expected, f) for f in BLOCK_MASK_FIELDS})
+        assert_same(
+            {f: getattr(got, f) for f in BLOCK_MASK_FIELDS}, {f: getattr(expected, f) for f in BLOCK_MASK_FIELDS}
+        )
         fast = time_ms(ours, device)
         label = "create_block_mask (compiled)" if gpu else "create_block_mask"
         rows.append(Row("flex_block_mask", f"T={t}", label, time_ms(theirs, device), fast, backend, "tables identical"))
         if gpu and t <= 32768:
-            rows.append(Row("flex_block_mask", f"T={t}", "create_block_mask (eager)",
-                            time_ms(lambda: theirs(create_block_mask), device), fast, backend, "tables identical"))
+            rows.append(
+                Row(
+                    "flex_block_mask",
+                    f"T={t}",
+                    "create_block_mask (eager)",
+                    time_ms(lambda: theirs(create_block_mask), device),
+                    fast,
+                    backend,
+                    "tables identical",
+                )
+            )
 
     # 4) Per-layer lookups after the first layer: host time, no device work.
     t = 1024 if quick else 16384
@@ -86,8 +114,17 @@ def run(device: torch.device, quick: bool) -> list[Row]:
     def naive_layer():
         return naive_boundaries(pos)
 
-    rows.append(Row("per-layer lookup (host)", f"T={t}, one layer", "per-layer rebuild with syncs",
-                    host_us(naive_layer) / 1000, host_us(layer) / 1000, backend, "cached info + mask, no sync"))
+    rows.append(
+        Row(
+            "per-layer lookup (host)",
+            f"T={t}, one layer",
+            "per-layer rebuild with syncs",
+            host_us(naive_layer) / 1000,
+            host_us(layer) / 1000,
+            backend,
+            "cached info + mask, no sync",
+        )
+    )
     return rows
 
 
@@ -115,5 +152,9 @@ def tune_launchers(device: torch.device) -> dict:
         doc = fastft.packed_seq_info(position_ids=documents(t, max(1, t // 512), device)).doc_ids.view(1, t)
         return lambda cfg: kernels.block_mask_tables(doc, 0, 128, **cfg)
 
-    return {packing.OP_BOUNDARIES: boundaries, packing.OP_FROM_CU_SEQLENS: from_cu, packing.OP_SDPA_MASK: mask,
-            packing.OP_BLOCK_TABLES: tables}
+    return {
+        packing.OP_BOUNDARIES: boundaries,
+        packing.OP_FROM_CU_SEQLENS: from_cu,
+        packing.OP_SDPA_MASK: mask,
+        packing.OP_BLOCK_TABLES: tables,
+    }

@@ -7,12 +7,11 @@ import torch
 import fastft
 from fastft import dispatch, routing
 from fastft.reference import routing as reference
-from fastft.testing import assert_same, routing_fields
-
 from fastft.testing import MOE_SHAPES as SHAPES
-from fastft.testing import router_ids
+from fastft.testing import assert_same, router_ids, routing_fields
 
 from .common import Row, graph_ms, host_us, time_ms
+
 
 # name -> (experts, top_k, hidden)
 def torch_route(ids: torch.Tensor, experts: int):
@@ -75,28 +74,62 @@ def run(device: torch.device, quick: bool) -> list[Row]:
             x = torch.randn(t, hidden, device=device, dtype=torch.bfloat16)
             n = t * top_k
             fast = time_ms(lambda: fastft.moe_permute(x, r), device)
-            rows.append(Row("moe_permute", case, "x[sorted_pair // K]",
-                            time_ms(lambda: x[r.sorted_pair.long() // top_k], device), fast, backend,
-                            bw_note((t + n) * hidden * el, fast)))
+            rows.append(
+                Row(
+                    "moe_permute",
+                    case,
+                    "x[sorted_pair // K]",
+                    time_ms(lambda: x[r.sorted_pair.long() // top_k], device),
+                    fast,
+                    backend,
+                    bw_note((t + n) * hidden * el, fast),
+                )
+            )
             ys = torch.randn(r.capacity, hidden, device=device, dtype=torch.bfloat16)
             fast = time_ms(lambda: routing.unpermute_op(ys, r.sorted_pair, r.inverse, None, backend), device)
-            rows.append(Row("moe_permute backward", case, "index_add_ into dx",
-                            time_ms(lambda: torch.zeros_like(x).index_add_(0, r.sorted_pair.long() // top_k, ys), device),
-                            fast, backend, bw_note((n + t) * hidden * el, fast)))
+            rows.append(
+                Row(
+                    "moe_permute backward",
+                    case,
+                    "index_add_ into dx",
+                    time_ms(lambda: torch.zeros_like(x).index_add_(0, r.sorted_pair.long() // top_k, ys), device),
+                    fast,
+                    backend,
+                    bw_note((n + t) * hidden * el, fast),
+                )
+            )
 
             # 3) unpermute (weighted combine) and its backward
             w = torch.rand(t, top_k, device=device)
             # exact on a GPU; Triton's CPU interpreter truncates fp32 -> bf16 (one ulp)
-            assert_same(fastft.moe_unpermute(ys, r, w), reference.gather_sum(ys, r.inverse, w), rtol=0 if gpu else 2**-7)
+            assert_same(
+                fastft.moe_unpermute(ys, r, w), reference.gather_sum(ys, r.inverse, w), rtol=0 if gpu else 2**-7
+            )
             fast = time_ms(lambda: fastft.moe_unpermute(ys, r, w), device)
-            rows.append(Row("moe_unpermute", case, "index_add_ combine",
-                            time_ms(lambda: index_add_combine(ys, r, w), device), fast, backend,
-                            bw_note((n + t) * hidden * el, fast)))
+            rows.append(
+                Row(
+                    "moe_unpermute",
+                    case,
+                    "index_add_ combine",
+                    time_ms(lambda: index_add_combine(ys, r, w), device),
+                    fast,
+                    backend,
+                    bw_note((n + t) * hidden * el, fast),
+                )
+            )
             dy = torch.randn(t, hidden, device=device, dtype=torch.bfloat16)
             fast = time_ms(lambda: routing.unpermute_backward_op(dy, ys, r.sorted_pair, r.inverse, w, backend), device)
-            rows.append(Row("moe_unpermute backward", case, "torch reference",
-                            time_ms(lambda: reference.unpermute_backward(dy, ys, r.sorted_pair, top_k, w), device),
-                            fast, backend, bw_note((t + 2 * n) * hidden * el, fast)))
+            rows.append(
+                Row(
+                    "moe_unpermute backward",
+                    case,
+                    "torch reference",
+                    time_ms(lambda: reference.unpermute_backward(dy, ys, r.sorted_pair, top_k, w), device),
+                    fast,
+                    backend,
+                    bw_note((t + 2 * n) * hidden * el, fast),
+                )
+            )
             del x, ys, dy
             if gpu:
                 torch.cuda.empty_cache()
@@ -131,6 +164,7 @@ def tune_launchers(device: torch.device) -> dict:
             ys = torch.randn(r.capacity, hidden, device=device, dtype=torch.bfloat16)
             w = torch.rand(r.num_tokens, 8, device=device) if weighted else None
             return lambda cfg: kernels.gather_sum(ys, r.inverse, w, **cfg)
+
         return make
 
     def unpermute_backward(hidden):

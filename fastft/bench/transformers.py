@@ -9,11 +9,21 @@ from .common import Row, time_ms
 
 # name -> (config class, experts class, config fields)
 SHAPES = {
-    "Qwen3-30B-A3B": ("Qwen3MoeConfig", "Qwen3MoeExperts", dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)),
-    "gpt-oss-20b": ("GptOssConfig", "GptOssExperts", dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4)),
+    "Qwen3-30B-A3B": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeExperts",
+        dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8),
+    ),
+    "gpt-oss-20b": (
+        "GptOssConfig",
+        "GptOssExperts",
+        dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4),
+    ),
 }
-TINY = {"Qwen3-30B-A3B": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
-        "gpt-oss-20b": dict(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)}
+TINY = {
+    "Qwen3-30B-A3B": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+    "gpt-oss-20b": dict(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+}
 
 
 def run(device: torch.device, quick: bool) -> list[Row]:
@@ -57,6 +67,8 @@ def run(device: torch.device, quick: bool) -> list[Row]:
             times[impl] = time_ms(step, device, rep_ms=500 if gpu else 50)
         shape = f"{name} experts, {tokens} tokens (E={e}, K={k}, H={h}), fwd+bwd"
         for impl in ("eager", "grouped_mm"):
-            rows.append(Row("transformers MoE experts", shape, f"transformers {impl}", times[impl], times["fastft"], backend))
+            rows.append(
+                Row("transformers MoE experts", shape, f"transformers {impl}", times[impl], times["fastft"], backend)
+            )
         del experts, x
     return rows

@@ -21,16 +21,25 @@ from ..lora import lora_linear
 
 def _plain_adapter(layer, x: torch.Tensor, args, kwargs):
     """The active adapter's name if ``lora_linear`` computes exactly this layer's LoRA, else None."""
-    if args or kwargs or layer.disable_adapters or layer.merged or not x.is_floating_point() or torch.is_autocast_enabled(x.device.type):
+    if (
+        args
+        or kwargs
+        or layer.disable_adapters
+        or layer.merged
+        or not x.is_floating_point()
+        or torch.is_autocast_enabled(x.device.type)
+    ):
         return None
     active = [a for a in layer.active_adapters if a in layer.lora_A]
     if len(active) != 1:
         return None
     name = active[0]
-    base, lora_a, lora_b, dropout = layer.base_layer, layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
+    base, lora_b, dropout = layer.base_layer, layer.lora_B[name], layer.lora_dropout[name]
     if name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name, False) or lora_b.bias is not None:
         return None
-    if not isinstance(dropout, torch.nn.Identity) and not (isinstance(dropout, torch.nn.Dropout) and (dropout.p == 0 or not dropout.training)):
+    if not isinstance(dropout, torch.nn.Identity) and not (
+        isinstance(dropout, torch.nn.Dropout) and (dropout.p == 0 or not dropout.training)
+    ):
         return None
     if type(base) is not torch.nn.Linear or base.weight.requires_grad or base.weight.dtype != x.dtype:
         return None
@@ -44,7 +53,9 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
     base = self.base_layer
-    return lora_linear(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])
+    return lora_linear(
+        x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
+    )
 
 
 def use_lora(model):
@@ -54,7 +65,9 @@ def use_lora(model):
 
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if not layers:
-        raise ValueError(f"{type(model).__name__} has no PEFT LoRA Linear layers (wrap it with peft.get_peft_model first)")
+        raise ValueError(
+            f"{type(model).__name__} has no PEFT LoRA Linear layers (wrap it with peft.get_peft_model first)"
+        )
     for layer in layers:
         layer.forward = types.MethodType(_forward, layer)
     return model

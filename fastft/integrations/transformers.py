@@ -45,7 +45,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tr
     return torch.cat(rows + [x.new_zeros(x.shape[0] - starts[-1], w.shape[-1])])  # padding rows: 0
 
 
-def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+def experts_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """A transformers experts block's forward with fastft routing: ``moe_route`` (no host sync) ->
     ``moe_permute`` -> grouped up/gate projection, gate, grouped down projection (+ per-expert biases
     through ``moe_expert_rows``) -> ``moe_unpermute`` weighted by the router (fp32 sum in fixed order).
@@ -81,7 +83,9 @@ def use_moe(model):
     if not hasattr(model, "set_experts_implementation"):
         raise TypeError(f"model must be a transformers PreTrainedModel with experts blocks, got {type(model).__name__}")
     if not has_experts(model):
-        raise ValueError(f"{type(model).__name__} has no transformers experts blocks (use_experts_implementation) to route")
+        raise ValueError(
+            f"{type(model).__name__} has no transformers experts blocks (use_experts_implementation) to route"
+        )
     register()
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     return model
@@ -97,8 +101,12 @@ def _batch_info(batch: int, tokens: int, device, kwargs: dict):
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:  # flash kwargs of DataCollatorWithFlattening(return_flash_attn_kwargs=True)
         max_len = kwargs.get("max_length_q")
-        return packed_seq_info(cu_seqlens=cu, max_seqlen=int(max_len) if max_len is not None else None,
-                               num_tokens=batch * tokens, device=device)
+        return packed_seq_info(
+            cu_seqlens=cu,
+            max_seqlen=int(max_len) if max_len is not None else None,
+            num_tokens=batch * tokens,
+            device=device,
+        )
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         return packed_seq_info(seq_lengths=[tokens] * batch, device=device)
@@ -107,7 +115,9 @@ def _batch_info(batch: int, tokens: int, device, kwargs: dict):
     return packed_seq_info(position_ids=position_ids, device=device)
 
 
-def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
+def attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs
+):
     """transformers attention function ``"fastft"``: ``fastft.packed_attention`` (causal attention inside
     each document only) with the layer's window, scale, dropout and attention sinks (gpt-oss).
 
@@ -117,14 +127,17 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     called without that hook.
     """
     if key.shape[2] != query.shape[2]:
-        raise ValueError("fastft packed attention needs keys for exactly the query tokens (training or prefill, no KV cache)")
+        raise ValueError(
+            "fastft packed attention needs keys for exactly the query tokens (training or prefill, no KV cache)"
+        )
     info = kwargs.get(PACKED_INFO_KWARG)
     if info is None:
         info = _batch_info(query.shape[0], query.shape[2], query.device, kwargs)
     window = int(sliding_window) if sliding_window else None
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out = packed_attention(q, k, v, info, window=window, sinks=getattr(module, "sinks", None), scale=scaling,
-                           dropout_p=dropout)
+    out = packed_attention(
+        q, k, v, info, window=window, sinks=getattr(module, "sinks", None), scale=scaling, dropout_p=dropout
+    )
     return out, None
 
 
@@ -196,14 +209,20 @@ def enable_gradient_checkpointing(model, config: OffloadConfig | None = None, **
     if not hasattr(model, "gradient_checkpointing_enable") or not hasattr(model, "_set_gradient_checkpointing"):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    func = gradient_checkpointing_func if config == OffloadConfig() else functools.partial(offloaded_checkpoint, offload_config=config)
+    func = (
+        gradient_checkpointing_func
+        if config == OffloadConfig()
+        else functools.partial(offloaded_checkpoint, offload_config=config)
+    )
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
     return model
 
 
 def has_experts(model) -> bool:
     """Whether a transformers model holds experts blocks (``use_experts_implementation``)."""
-    return any(hasattr(m, "down_proj") and hasattr(m, "has_gate") and hasattr(m, "is_transposed") for m in model.modules())
+    return any(
+        hasattr(m, "down_proj") and hasattr(m, "has_gate") and hasattr(m, "is_transposed") for m in model.modules()
+    )
 
 
 def apply(model, *, packing: bool = True, offload_checkpointing: bool = True, moe: bool = True, lora: bool = True):

@@ -17,7 +17,13 @@ from .packing import sdpa_mask
 
 
 def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor, window: int, sinks, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_ids: torch.Tensor,
+    window: int,
+    sinks,
+    scale: float,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """``q [B, T, H, D]``, ``k``/``v`` ``[B, T, H_kv, D]``, ``doc_ids [B, T]`` -> ``[B, T, H, D]``."""

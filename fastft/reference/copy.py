@@ -13,12 +13,12 @@ import torch
 def pack(tensors, layout, out: torch.Tensor) -> torch.Tensor:
     """Write each tensor's elements, row-major, at its offset of ``out`` (uint8 ``[>= layout.nbytes]``)."""
     for t, entry in zip(tensors, layout.entries):
-        out[entry.offset:entry.offset + entry.nbytes].view(t.dtype).copy_(t.reshape(-1))
+        out[entry.offset : entry.offset + entry.nbytes].view(t.dtype).copy_(t.reshape(-1))
     return out
 
 
 def unpack(buffer: torch.Tensor, layout, out) -> list[torch.Tensor]:
     """Copy each entry of ``buffer`` into the matching tensor of ``out`` (any strides); return ``out``."""
     for o, entry in zip(out, layout.entries):
-        o.copy_(buffer[entry.offset:entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape))
+        o.copy_(buffer[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape))
     return list(out)

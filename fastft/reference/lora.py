@@ -10,8 +10,14 @@ import torch
 import torch.nn.functional as F
 
 
-def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
-                lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
     """``x @ weight.T + bias + scaling * (x @ lora_a.T) @ lora_b.T``; ``weight`` ``[out, in]``, ``lora_a``
     ``[r, in]``, ``lora_b`` ``[out, r]``."""
     base = F.linear(x, weight, bias)

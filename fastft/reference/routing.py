@@ -62,15 +62,21 @@ def route(topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map,
 
     i32 = torch.int32
     return (
-        counts.to(i32), offsets.to(i32), padded_offsets.to(i32), sorted_pair.to(i32),
-        slot.view(t, k).to(i32), expert_of_block.to(i32),
+        counts.to(i32),
+        offsets.to(i32),
+        padded_offsets.to(i32),
+        sorted_pair.to(i32),
+        slot.view(t, k).to(i32),
+        expert_of_block.to(i32),
     )
 
 
 def permute(x: torch.Tensor, sorted_pair: torch.Tensor, top_k: int) -> torch.Tensor:
     """``out[s] = x[sorted_pair[s] // top_k]``; rows of padding slots (-1) are 0."""
     used = sorted_pair >= 0
-    rows = x[(sorted_pair.clamp(min=0) // top_k).long()] if x.shape[0] else x.new_zeros(sorted_pair.shape[0], x.shape[1])
+    rows = (
+        x[(sorted_pair.clamp(min=0) // top_k).long()] if x.shape[0] else x.new_zeros(sorted_pair.shape[0], x.shape[1])
+    )
     return torch.where(used[:, None], rows, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
@@ -89,9 +95,12 @@ def gather_sum(ys: torch.Tensor, inverse: torch.Tensor, weights) -> torch.Tensor
     return acc.to(ys.dtype)
 
 
-def unpermute_backward(dy: torch.Tensor, ys: torch.Tensor, sorted_pair: torch.Tensor, top_k: int, weights: torch.Tensor):
-    """(dys, dweights) of ``gather_sum(ys, inverse, weights)`` (without weights the backward is ``permute``): ``dys[s] = w[p] * dy[p // K]`` for the pair
-    ``p`` in slot ``s`` (0 on padding); ``dweights[t, k] = <dy[t], ys[inverse[t, k]]>`` in fp32."""
+def unpermute_backward(
+    dy: torch.Tensor, ys: torch.Tensor, sorted_pair: torch.Tensor, top_k: int, weights: torch.Tensor
+):
+    """(dys, dweights) of ``gather_sum(ys, inverse, weights)`` (without weights the backward is ``permute``):
+    ``dys[s] = w[p] * dy[p // K]`` for the pair ``p`` in slot ``s`` (0 on padding);
+    ``dweights[t, k] = <dy[t], ys[inverse[t, k]]>`` in fp32."""
     used = (sorted_pair >= 0)[:, None]
     p = sorted_pair.clamp(min=0).long()
     dy_rows = dy[p // top_k].float() if dy.shape[0] else dy.new_zeros(p.shape[0], dy.shape[1], dtype=torch.float32)
@@ -113,7 +122,9 @@ def expert_rows(table: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block:
     return torch.where(used, rows, torch.zeros((), dtype=table.dtype, device=table.device))
 
 
-def expert_rows_backward(dout: torch.Tensor, counts: torch.Tensor, padded_offsets: torch.Tensor, num_local_experts: int):
+def expert_rows_backward(
+    dout: torch.Tensor, counts: torch.Tensor, padded_offsets: torch.Tensor, num_local_experts: int
+):
     """``dtable[e] = sum of dout`` over expert e's used slots, in fp32, slots ascending."""
     e = num_local_experts
     cap, f = dout.shape
