@@ -4,34 +4,17 @@ Triton's launch path binds and specializes every argument in Python on every cal
 host cost of fastft's small kernels (docs/benchmarks.md, "launch floor"). ``launch`` keeps the compiled
 kernel that ``fn[grid]`` returned, under a key that covers everything Triton specializes on (each tensor's
 dtype and 16-byte alignment; each int's value class: 1, a multiple of 16, 32/64-bit; the constexpr and
-launch options), and later launches it directly: through the kernel's launcher with the current stream,
-or, while a launch hook is set (a profiler) or on a Triton whose compiled kernels lack that launcher API
-(probed once per kernel, no ``except``), through the compiled kernel's own runner. The interpreter (CPU)
-always takes Triton's own path.
+launch options), and later launches it through the compiled kernel's own runner (current stream, launch
+hooks honoured). The interpreter (CPU) always takes Triton's own path. Calling the launcher below that
+runner saved ~4 µs a launch but nothing measurable in a training step (docs/benchmarks.md, 2026-11-24),
+so fastft does not reach into it.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
 
 _compiled: dict = {}  # key -> (compiled kernel, names of the constexpr parameters after the positional ones)
-_hooks = getattr(getattr(triton, "knobs", None), "runtime", None)  # Triton >= 3.4: where launch hooks live
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _direct_api(kernel) -> bool:
-    """Whether this Triton's compiled kernel has the launcher API ``launch`` calls directly."""
-    return (
-        _hooks is not None
-        and _RAW_STREAM is not None
-        and all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata"))
-    )
-
-
-def _hooked(hook) -> bool:
-    """Whether a launch hook is set: a callable, or (newer Tritons) a non-empty ``HookChain``."""
-    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def cdiv(a: int, b: int) -> int:
@@ -77,20 +60,7 @@ def launch(fn, grid, *args, **meta) -> None:
         kernel = fn[grid](*args, **meta)
         names = fn.arg_names[len(args) :]
         if all(name in meta for name in names):
-            _compiled[key] = (kernel, names, _direct_api(kernel))
+            _compiled[key] = (kernel, names)
         return
-    kernel, names, direct = hit
-    if not direct or _hooked(_hooks.launch_enter_hook) or _hooked(_hooks.launch_exit_hook):
-        kernel[grid](*args, *(meta[name] for name in names))
-    else:  # what kernel[grid] does with no hook set, minus its per-call closure and device query
-        kernel.run(
-            *grid,
-            _RAW_STREAM(key[1]),
-            kernel.function,
-            kernel.packed_metadata,
-            None,
-            None,
-            None,
-            *args,
-            *(meta[name] for name in names),
-        )
+    kernel, names = hit
+    kernel[grid](*args, *(meta[name] for name in names))
