@@ -15,6 +15,7 @@ if _ilu.find_spec(__name__ + ".kernels") is None:
 
 from . import copy, dispatch  # noqa: E402
 from .attention import packed_attention  # noqa: E402
+from .audit import AuditReport, audit  # noqa: E402  (the function shadows the submodule name)
 from .lora import lora_linear  # noqa: E402
 from .offload import OffloadConfig, offloaded_checkpoint  # noqa: E402
 from .packing import PackedSeqInfo, document_mask_mod, packed_seq_info  # noqa: E402
@@ -36,4 +37,6 @@ __all__ = [
     "OffloadConfig",
     "offloaded_checkpoint",
     "lora_linear",
+    "audit",
+    "AuditReport",
 ]

@@ -148,7 +148,7 @@ def cmd_bench_e2e(args, device) -> int:
     from fastft.bench import e2e
 
     print(e2e.describe(device, args.quick))
-    records = e2e.run(device, args.quick, args.model)
+    records = e2e.run(device, args.quick, args.model, args.column)
     if not records:
         return 2
     print(e2e.format_table(records))
@@ -162,6 +162,34 @@ def cmd_bench_e2e(args, device) -> int:
         if e2e.chart(records, png):
             print(f"wrote {png}")
     return 0 if agree[0] else 1
+
+
+def cmd_audit(args) -> int:
+    from fastft.audit import audit
+    from fastft.bench import e2e
+
+    device = _device(args.device)
+    if args.column not in e2e.columns(device, [args.column]):
+        args.usage_error(f"--column '{args.column}' cannot run here (it needs a GPU, liger-kernel or peft)")
+    if args.column == "fastft, experts lora" and e2e.MODELS[args.model][0] not in ("Qwen3MoeConfig", "GptOssConfig"):
+        args.usage_error(f"--column 'fastft, experts lora' needs a MoE model, not {args.model}")
+    tiny = args.quick or device.type != "cuda"
+    batch, _ = e2e.make_batch(args.model, device, tiny)
+    model, _, restore = e2e.build(args.model, args.column, device, tiny)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+
+    def step():
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    try:
+        print(f"{args.model}, column '{args.column}'" + (" (tiny config)" if tiny else ""))
+        print(audit(step, model=model, steps=args.steps))
+    finally:
+        restore()
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -230,10 +258,10 @@ BENCH_FAMILIES = ("packing", "routing", "attention", "copy", "offloader", "offlo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fastft.bench.e2e import MODELS
+    from fastft.bench.e2e import COLUMNS, MODELS
 
     parser = argparse.ArgumentParser(prog=_prog(), description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{info,check,bench,tune}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{info,check,bench,audit,tune}")
     p = sub.add_parser("info", help="device, versions, backend and autotune entry per op")
     p.set_defaults(fn=cmd_info)
     p = sub.add_parser("check", help="differential fuzz: triton vs torch on random inputs")
@@ -256,7 +284,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="with --e2e: only this model (repeatable); one of " + ", ".join(MODELS),
     )
+    p.add_argument(
+        "--column",
+        action="append",
+        choices=list(COLUMNS),
+        metavar="NAME",
+        help="with --e2e: only this column (repeatable); one of " + ", ".join(f"'{c}'" for c in COLUMNS),
+    )
     p.set_defaults(fn=cmd_bench, usage_error=p.error)
+    p = sub.add_parser("audit", help="profile one e2e training step: launches, host syncs, GPU-busy fraction")
+    p.add_argument(
+        "--model", choices=list(MODELS), default="Qwen3-0.6B", metavar="NAME", help="one of " + ", ".join(MODELS)
+    )
+    p.add_argument(
+        "--column",
+        choices=list(COLUMNS),
+        default="fastft",
+        metavar="NAME",
+        help="the stack to build (an e2e column, default 'fastft'); one of " + ", ".join(f"'{c}'" for c in COLUMNS),
+    )
+    p.add_argument("--steps", type=_positive(int), default=3, help="profiled steps, after one warm-up (default 3)")
+    p.add_argument("--quick", action="store_true", help="tiny config (always on without a GPU)")
+    p.set_defaults(fn=cmd_audit, usage_error=p.error)
     p = sub.add_parser("tune", help="measure launch parameters and rewrite autotune_cache/<arch>.json")
     p.set_defaults(fn=cmd_tune)
     for name in ("bench", "tune"):
@@ -276,6 +325,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "bench" and not args.e2e and args.model:
         args.usage_error("--model is taken with --e2e only")
+    if args.cmd == "bench" and not args.e2e and args.column:
+        args.usage_error("--column is taken with --e2e only")
     if args.cmd == "bench" and args.e2e and args.only:
         args.usage_error("--only selects op benchmarks; it is not taken with --e2e")
     return args.fn(args)

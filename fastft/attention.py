@@ -232,7 +232,16 @@ def packed_attention(
     per-head sink (gpt-oss). ``scale``: default ``D ** -0.5``. ``dropout_p``: on the attention
     probabilities (dense path only). ``backend``: ``None``/``"auto"``, ``"flash"`` (``ValueError`` where it
     cannot run, saying why) or ``"dense"``. Differentiable in q, k, v and sinks.
+
+    Under ``torch.autocast``, q, k and v are cast to its dtype first, as ``scaled_dot_product_attention`` is
+    (mixed-precision training hands attention fp32 rotated q/k beside a low-precision v); outside it they
+    must share a dtype.
     """
+    if all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (q, k, v)):
+        device_type = q.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            q, k, v = (t.to(dtype) for t in (q, k, v))
     _check(q, k, v, info, window, sinks, scale, dropout_p, backend)
     window = window if window and window > 0 else None
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5

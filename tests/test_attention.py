@@ -87,6 +87,22 @@ def test_unbatched_and_flattened_layouts(rng):
     torch.testing.assert_close(got.reshape(1, 10, *got.shape[2:]), out[None], atol=1e-6, rtol=1e-6)
 
 
+def test_autocast_casts_inputs_like_sdpa(rng):
+    """Mixed precision hands attention fp32 rotated q/k beside a bf16 v: under autocast the op computes in
+    autocast's dtype (as SDPA does); outside it, mixed dtypes are a TypeError."""
+    device = "cuda" if GPU else "cpu"
+    q, k, v, positions, sinks = random_case(rng, [4, 7, 5], sinks=True, device=device)
+    info = fastft.packed_seq_info(position_ids=positions)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        got = fastft.packed_attention(q, k, v.bfloat16(), info, sinks=sinks)
+        with torch.autocast(device, enabled=False):
+            with pytest.raises(TypeError, match="share a dtype"):
+                fastft.packed_attention(q, k, v.bfloat16(), info)
+    want = fastft.packed_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), info, sinks=sinks)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=2e-2)  # autocast also runs the dense path's ops
+
+
 def test_matches_transformers_gpt_oss_eager_attention(rng):
     transformers = pytest.importorskip("transformers")  # noqa: F841
     from transformers.models.gpt_oss import modeling_gpt_oss

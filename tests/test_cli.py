@@ -13,8 +13,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(*args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def run(*args, **env_vars):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **env_vars}
     return subprocess.run([sys.executable, "-m", "fastft", *args], capture_output=True, text=True, env=env, cwd=ROOT)
 
 
@@ -45,9 +45,11 @@ def test_bench_e2e_runs_tiny_models(tmp_path):
     out = run("bench", "--e2e", "--quick", "--model", "Qwen3-0.6B", "--json", str(path))
     assert out.returncode == 0, out.stdout + out.stderr
     rows = json.loads(path.read_text())["rows"]
-    columns = {"naive glue", "stock sdpa", "fastft, peft lora", "fastft"} | (
-        {"stock flex"} if torch.cuda.is_available() else set()
-    )
+    columns = {"naive glue", "stock sdpa", "fastft, peft lora", "fastft"}
+    if torch.cuda.is_available():
+        columns.update({"stock sdpa, hf offload", "stock flex"})
+        if importlib.util.find_spec("liger_kernel") is not None:
+            columns.update({"liger + stock flex", "fastft + liger"})
     if importlib.util.find_spec("peft") is None:
         columns.discard("fastft, peft lora")  # the same configuration as "fastft" without peft
         assert "peft is not installed" in out.stdout
@@ -58,11 +60,36 @@ def test_bench_e2e_runs_tiny_models(tmp_path):
         assert "not how fast it is" in out.stdout and "peak n/a" in out.stdout and "0.00 GiB" not in out.stdout
 
 
+def test_bench_e2e_columns_of_a_moe_model(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    path = tmp_path / "e2e.json"
+    columns = ["stock sdpa", "fastft", "fastft, experts lora"]
+    out = run(
+        "bench",
+        "--e2e",
+        "--quick",
+        "--model",
+        "Qwen3-30B-A3B",
+        *[f"--column={c}" for c in columns],
+        "--json",
+        str(path),
+        FASTFT_BACKEND="torch",  # the interpreter's routing is slow, and not what this checks
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["column"] for r in rows] == columns
+    assert "| fastft, experts lora |" in out.stdout and "x (stock sdpa) |" in out.stdout
+    assert "loss check Qwen3-30B-A3B: relative difference to stock sdpa" in out.stdout and "FAILS" not in out.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (("bench", "--e2e", "--model", "llama"), "invalid choice: 'llama' (choose from 'Llama-3.2-1B'"),
         (("bench", "--model", "Qwen3-0.6B"), "--model is taken with --e2e only"),
+        (("bench", "--column", "fastft"), "--column is taken with --e2e only"),
+        (("bench", "--e2e", "--column", "liger"), "invalid choice: 'liger' (choose from 'naive glue'"),
         (("check", "--max-tokens", "0"), "--max-tokens: must be > 0, got 0"),
         (("check", "--max-tokens", "-3"), "--max-tokens: must be > 0, got -3"),
         (("check", "--seconds", "x"), "--seconds: expected a float, got 'x'"),

@@ -1,5 +1,7 @@
 """fastft.integrations.transformers: MoE experts blocks of real transformers models (tiny configs)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -229,3 +231,170 @@ def test_peft_lora_keeps_documents_apart(apply_first):
     torch.testing.assert_close(packed, torch.cat(alone), atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(padded[0, 3:], alone[0], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(padded[1], alone[1], atol=2e-5, rtol=1e-4)
+
+
+def checkpoint_funcs(model):
+    """The checkpoint function of each decoder layer that checkpoints."""
+    layers = ft_hf.hf_model(model).modules()
+    return [
+        m._gradient_checkpointing_func
+        for m in layers
+        if isinstance(m, transformers.GradientCheckpointingLayer) and m.gradient_checkpointing
+    ]
+
+
+def is_fastft_checkpoint(func):
+    while isinstance(func, functools.partial):
+        func = func.func
+    return func in (fastft.offload.gradient_checkpointing_func, fastft.offloaded_checkpoint)
+
+
+@pytest.mark.parametrize("wrap", ["plain", "peft"])
+def test_later_gradient_checkpointing_enable_keeps_fastft(wrap, recwarn):
+    model = tiny("llama", torch.float32).cpu()
+    if wrap == "peft":
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    ft_hf.apply(model)
+    layers = [m for m in ft_hf.hf_model(model).modules() if isinstance(m, transformers.GradientCheckpointingLayer)]
+    assert len(layers) == 2 and all(is_fastft_checkpoint(f) for f in checkpoint_funcs(model))
+    # what Trainer, TRL and PEFT call, with every argument transformers 5.17 takes
+    model.gradient_checkpointing_enable()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, offload=True)
+    assert all(f is fastft.offload.gradient_checkpointing_func for f in checkpoint_funcs(model))
+    model.gradient_checkpointing_enable({"preserve_rng_state": False}, every_n_layers=2)
+    assert [m.gradient_checkpointing for m in layers] == [True, False]
+    (func,) = checkpoint_funcs(model)
+    assert is_fastft_checkpoint(func) and func.keywords == {"preserve_rng_state": False}
+    assert not recwarn.list
+    with pytest.warns(UserWarning, match="keeps its non-reentrant checkpoint"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert len(checkpoint_funcs(model)) == 2 and all(is_fastft_checkpoint(f) for f in checkpoint_funcs(model))
+    model.gradient_checkpointing_disable()
+    assert not ft_hf.hf_model(model).is_gradient_checkpointing
+    model.gradient_checkpointing_enable()
+    assert all(is_fastft_checkpoint(f) for f in checkpoint_funcs(model))
+
+
+def test_trainer_keeps_fastft_checkpointing(tmp_path, monkeypatch):
+    pytest.importorskip("accelerate")
+    model = ft_hf.apply(tiny("llama", torch.float32).cpu())
+    calls = []
+    real = fastft.offload.offloaded_checkpoint
+    monkeypatch.setattr(fastft.offload, "offloaded_checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(1, 128, (n,), generator=g).tolist()} for n in (5, 9, 3, 7)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False, "offload": True},
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+    )
+    collate = transformers.DataCollatorWithFlattening()
+    transformers.Trainer(model=model, args=args, train_dataset=rows, data_collator=collate).train()
+    assert all(f is fastft.offload.gradient_checkpointing_func for f in checkpoint_funcs(model))
+    assert len(calls) == 2 * 2  # two layers, two steps: every layer went through fastft's checkpoint
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_revert_undoes_apply(name):
+    peft = pytest.importorskip("peft")
+    untouched = tiny(name, torch.float32).cpu()
+    targets = ["q_proj", "v_proj"]
+    untouched = peft.get_peft_model(untouched, peft.LoraConfig(r=4, target_modules=targets))
+    model = peft.get_peft_model(tiny(name, torch.float32).cpu(), peft.LoraConfig(r=4, target_modules=targets))
+    model.load_state_dict(untouched.state_dict())
+    inner = ft_hf.hf_model(model)
+    before = (inner.config._attn_implementation, inner.config._experts_implementation)
+    with pytest.raises(ValueError, match="nothing from fastft to revert"):
+        ft_hf.revert(model)
+    ft_hf.apply(model)
+    model.gradient_checkpointing_enable()  # as Trainer would; revert still restores the state before apply
+    assert inner.config._attn_implementation == "fastft"
+    assert ft_hf.revert(model) is model
+    assert (inner.config._attn_implementation, inner.config._experts_implementation) == before
+    assert not inner.is_gradient_checkpointing and "gradient_checkpointing_enable" not in inner.__dict__
+    assert not getattr(inner, "_require_grads_hooks", None)
+    assert not any(m._forward_pre_hooks for m in inner.modules())
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(3))
+    loss, grads = loss_and_grads(model, ids)
+    ref_loss, ref_grads = loss_and_grads(untouched, ids)
+    torch.testing.assert_close(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for key in grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], msg=key)
+    with pytest.raises(ValueError, match="nothing from fastft to revert"):
+        ft_hf.revert(model)
+    ft_hf.apply(model)  # and again
+    assert inner.config._attn_implementation == "fastft" and inner.is_gradient_checkpointing
+
+
+def test_revert_keeps_checkpointing_the_model_had():
+    model = tiny("llama", torch.float32).cpu()
+    model.gradient_checkpointing_enable()
+    (before,) = set(checkpoint_funcs(model))
+    ft_hf.revert(ft_hf.apply(model))
+    assert model.is_gradient_checkpointing and set(checkpoint_funcs(model)) == {before}
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_lora_on_experts_weights_goes_through_fastft_experts(name, monkeypatch, rng):
+    """PEFT ``target_parameters`` LoRA on the experts' weights (as MoE fine-tunes train): fastft's experts path
+    gives PEFT's own result (transformers' experts loop on the adapted weights), adapters' gradients included."""
+    peft = pytest.importorskip("peft")
+    seed = int(torch.randint(1 << 30, (), generator=rng))
+
+    def build(moe):
+        model = tiny(name, torch.float32).cpu()
+        config = peft.LoraConfig(
+            r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        )
+        model = peft.get_peft_model(model, config)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)  # PEFT starts B at zero: make the adapters matter
+        ft_hf.apply(model, moe=moe, offload_checkpointing=False)
+        if not moe:
+            ft_hf.hf_model(model).set_experts_implementation("eager")
+        return model
+
+    ref, model = build(moe=False), build(moe=True)
+    calls = []
+    real = ft_hf.routed_experts
+    monkeypatch.setattr(ft_hf, "routed_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = torch.randint(0, 128, (1, 14), generator=rng)
+    positions = torch.cat([torch.arange(6), torch.arange(8)])[None]
+    model.zero_grad()
+    ref.zero_grad()
+    loss = model(input_ids=ids, labels=ids, position_ids=positions).loss
+    loss.backward()
+    assert len(calls) == 2  # one experts block per layer, through fastft
+    ref_loss = ref(input_ids=ids, labels=ids, position_ids=positions).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, atol=2e-5, rtol=1e-4)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref_grads.keys() and sum("experts" in n for n in grads) == 8
+    for key in grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], atol=2e-5, rtol=1e-4, msg=key)
+
+
+def test_mixed_precision_training_matches_stock_sdpa():
+    """fp32 weights under bf16 autocast (Trainer's bf16=True): fastft's attention gets fp32 rotated q/k and a
+    bf16 v, computes in bf16 as SDPA does, and matches the stock model."""
+    device = "cuda" if GPU else "cpu"
+    model = tiny("llama", torch.float32).to(device)
+    model.set_attn_implementation("sdpa")
+    ids, positions = packed_batch(device)
+    with torch.autocast(device, dtype=torch.bfloat16):  # use_cache=False: else stock ignores packed positions
+        stock = model(input_ids=ids, position_ids=positions, use_cache=False).logits.float()
+        ft_hf.apply(model, offload_checkpointing=False)
+        ours = model(input_ids=ids, position_ids=positions, use_cache=False).logits.float()
+    torch.testing.assert_close(ours, stock, atol=3e-2, rtol=3e-2)

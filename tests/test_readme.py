@@ -23,6 +23,8 @@ def test_readme_example_runs(index, tmp_path):
     if "import transformers" in code:
         pytest.importorskip("transformers")
         pytest.importorskip("peft")
+    if "Trainer" in code:
+        pytest.importorskip("accelerate")
     # As a user runs it: from another folder, without the test suite's TRITON_INTERPRET.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

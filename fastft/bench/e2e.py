@@ -9,15 +9,26 @@ Columns, one model build each, same weights and batch:
 - ``stock sdpa``: transformers with ``sdpa`` (its packed mask from position ids; gpt-oss: ``eager``, the
   one that takes its attention sinks), ``torch.utils.checkpoint``, and its default experts
   implementation (``grouped_mm``);
-- ``stock flex``: the same with ``flex_attention``, transformers' fastest attention here without
-  flash-attn (GPU only: it compiles its kernels for minutes on the first step, which is not timed);
+- ``stock sdpa, hf offload``: the same with transformers' own offload
+  (``gradient_checkpointing_enable(offload=True)``: checkpoint inputs in pinned host memory, copied on the
+  compute stream; GPU only);
+- ``stock flex``: the same as ``stock sdpa`` with ``flex_attention``, transformers' fastest attention here
+  without flash-attn (GPU only: it compiles its kernels for minutes on the first step, which is not timed);
+- ``liger + stock flex``: ``stock flex`` on a model that Liger-Kernel patched in place with its defaults
+  (RMSNorm, rotary, SwiGLU or fused MoE, fused linear cross entropy; GPU and liger-kernel only);
 - ``fastft, peft lora``: ``fastft.integrations.transformers.apply(model, lora=False)``, PEFT's own LoRA
   forward (shows what the LoRA path adds);
-- ``fastft``: ``fastft.integrations.transformers.apply`` on the PEFT model.
+- ``fastft``: ``fastft.integrations.transformers.apply`` on the PEFT model;
+- ``fastft + liger``: ``apply`` on a model that Liger patched first (fastft keeps its experts path);
+- ``fastft, experts lora`` (MoE models): ``fastft`` with LoRA also on the experts' weights (PEFT
+  ``target_parameters``), what MoE fine-tunes train.
+
+Peers are the columns users run without fastft: ``stock *`` and ``liger + stock flex``.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import statistics
@@ -42,8 +53,27 @@ TINY = dict(
     vocab_size=256,
     sliding_window=16,
 )
-COLUMNS = ("naive glue", "stock sdpa", "stock flex", "fastft, peft lora", "fastft")
-GPU_ONLY = ("stock flex",)
+COLUMNS = (
+    "naive glue",
+    "stock sdpa",
+    "stock sdpa, hf offload",
+    "stock flex",
+    "liger + stock flex",
+    "fastft, peft lora",
+    "fastft",
+    "fastft + liger",
+    "fastft, experts lora",
+)
+PEERS = ("stock sdpa", "stock sdpa, hf offload", "stock flex", "liger + stock flex")
+# hf offload: transformers 5.17's pins host memory, which a CPU-only torch cannot
+GPU_ONLY = ("stock sdpa, hf offload", "stock flex", "liger + stock flex", "fastft + liger")
+LIGER = ("liger + stock flex", "fastft + liger")
+LIGER_FAMILIES = {
+    "LlamaConfig": "llama",
+    "Qwen3Config": "qwen3",
+    "Qwen3MoeConfig": "qwen3_moe",
+    "GptOssConfig": "gpt_oss",
+}
 TOKENS = {"gpt-oss-20b": 4096}
 
 
@@ -79,7 +109,31 @@ def _naive_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _build(name: str, column: str, device, tiny: bool):
+def _liger(model, config_cls: str):
+    """Liger-Kernel's defaults on ``model`` in place; returns a function that puts back the transformers
+    module globals Liger also patches (its rotary is read at forward time: call it after the column ran)."""
+    import importlib
+
+    from liger_kernel.transformers import monkey_patch
+
+    family = LIGER_FAMILIES[config_cls]
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    saved, cross_entropy = dict(vars(module)), F.cross_entropy
+    getattr(monkey_patch, f"apply_liger_kernel_to_{family}")(model=model)
+
+    def restore():
+        for extra in set(vars(module)) - set(saved):
+            delattr(module, extra)
+        vars(module).update(saved)
+        F.cross_entropy = cross_entropy
+
+    return restore
+
+
+def build(name: str, column: str, device, tiny: bool):
+    """(model, whether LoRA is on, a function to call after the column ran)."""
+    import warnings
+
     import transformers
 
     import fastft
@@ -97,6 +151,7 @@ def _build(name: str, column: str, device, tiny: bool):
         )
     model = model.train()
     moe = ft_hf.has_experts(model)
+    restore = _liger(model, config_cls) if column in LIGER else (lambda: None)
     if column == "naive glue":
         transformers.AttentionInterface.register("naive_packed", _naive_attention)
         model.set_attn_implementation("naive_packed")
@@ -105,23 +160,29 @@ def _build(name: str, column: str, device, tiny: bool):
         model._set_gradient_checkpointing(
             True, lambda f, *a, **k: fastft.offloaded_checkpoint(f, *a, offload_config=single, **k)
         )
-    elif column.startswith("stock"):
-        attention = "flex_attention" if column == "stock flex" else "eager" if name.startswith("gpt-oss") else "sdpa"
+    elif not column.startswith("fastft"):
+        attention = "flex_attention" if column.endswith("flex") else "eager" if name.startswith("gpt-oss") else "sdpa"
         model.set_attn_implementation(attention)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}, offload=column.endswith("hf offload")
+        )
     if moe and not column.startswith("fastft"):
         model.set_experts_implementation("eager" if column == "naive glue" else "grouped_mm")
     try:
         import peft
 
         targets = ["q_proj", "k_proj", "v_proj", "o_proj"] + ([] if moe else ["gate_proj", "up_proj", "down_proj"])
-        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets))
+        experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if column == "fastft, experts lora" else None
+        lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, target_parameters=experts)
+        model = peft.get_peft_model(model, lora)
         lora = True
     except ImportError:
         lora = False
     if column.startswith("fastft"):
-        ft_hf.apply(model, lora=column == "fastft")
-    return model, lora
+        with warnings.catch_warnings():  # "fastft + liger": fastft keeps its experts path, as it says
+            warnings.filterwarnings("ignore", "Liger-Kernel's swiglu patch")
+            ft_hf.apply(model, lora=column != "fastft, peft lora")
+    return model, lora, restore
 
 
 def describe(device: torch.device, quick: bool) -> str:
@@ -144,7 +205,9 @@ def describe(device: torch.device, quick: bool) -> str:
             "skipped (pip install peft for the LoRA columns)"
         )
     if device.type != "cuda":
-        lines.append("'stock flex' needs a GPU and is skipped; no peak memory without one")
+        lines.append(f"{', '.join(GPU_ONLY)} need a GPU and are skipped; no peak memory without one")
+    elif not _installed("liger_kernel"):
+        lines.append(f"liger-kernel is not installed: {', '.join(LIGER)} are skipped (pip install liger-kernel)")
         if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("FASTFT_BACKEND", "auto") != "torch":
             lines.append(
                 "fastft columns run its Triton kernels in Triton's interpreter, slowly by design "
@@ -152,40 +215,48 @@ def describe(device: torch.device, quick: bool) -> str:
             )
     lines.append(
         "each column starts from the same weights and batch: fastft's first-step losses must equal naive "
-        "glue's (exit status 1 if not)"
+        "glue's, or stock sdpa's without naive glue (exit status 1 if not)"
     )
     return "\n".join("  " + line for line in lines)
 
 
-def _peft_installed() -> bool:
+def _installed(package: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("peft") is not None
+    return importlib.util.find_spec(package) is not None
 
 
-def columns(device: torch.device) -> list[str]:
-    """The columns that run here (see the module docstring)."""
+def _peft_installed() -> bool:
+    return _installed("peft")
+
+
+def columns(device: torch.device, only=None) -> list[str]:
+    """The columns that run here (see the module docstring), of ``only`` if given."""
     skip = set(GPU_ONLY) if device.type != "cuda" else set()
+    if not _installed("liger_kernel"):
+        skip.update(LIGER)
     if not _peft_installed():
-        skip.add("fastft, peft lora")
-    return [c for c in COLUMNS if c not in skip]
+        skip.update(("fastft, peft lora", "fastft, experts lora"))
+    return [c for c in COLUMNS if c not in skip and (not only or c in only)]
 
 
 def loss_check(records: list[dict]) -> tuple[bool, str]:
     """(fastft agrees, one line per model): each column's first-step loss on the same weights and batch
-    against ``naive glue`` (documents kept apart by a plain mask), within 1e-4 relative in fp32 and 2e-2 in
-    bf16 (attention kernels sum in other orders). A fastft column outside that fails the check; a stock
-    column outside it is reported (stock transformers lets documents attend to each other in some models)."""
+    against ``naive glue`` (documents kept apart by a plain mask), or against ``stock sdpa`` when naive glue
+    did not run (not for gpt-oss, whose stock attention lets documents see each other), within 1e-4 relative
+    in fp32 and 2e-2 in bf16 (attention kernels sum in other orders). A fastft column outside that fails the
+    check; another column outside it is reported."""
     ok, lines = True, []
     for name in dict.fromkeys(r["model"] for r in records):
         rows = {r["column"]: r for r in records if r["model"] == name and math.isfinite(r["loss"])}
-        base = rows.get("naive glue")
+        reference = "naive glue" if "naive glue" in rows or name.startswith("gpt-oss") else "stock sdpa"
+        base = rows.get(reference)
         if base is None:
             continue
         tol = 2e-2 if base["dtype"] == "bfloat16" else 1e-4
         parts = []
         for column, r in rows.items():
-            if column == "naive glue":
+            if column == reference:
                 continue
             rel = abs(r["loss"] - base["loss"]) / max(abs(base["loss"]), 1e-6)
             good = rel <= tol
@@ -193,9 +264,9 @@ def loss_check(records: list[dict]) -> tuple[bool, str]:
                 ok &= good
                 parts.append(f"{column} {rel:.1e}" + ("" if good else " FAILS"))
             else:
-                parts.append(f"{column} {rel:.1e}" + ("" if good else " (differs: stock)"))
+                parts.append(f"{column} {rel:.1e}" + ("" if good else " (differs)"))
         lines.append(
-            f"loss check {name}: relative difference to naive glue ({base['loss']:.5f}, tolerance "
+            f"loss check {name}: relative difference to {reference} ({base['loss']:.5f}, tolerance "
             f"{tol:g}): " + ", ".join(parts)
         )
     return ok, "\n".join(lines)
@@ -235,7 +306,16 @@ def _step_ms(model, batch, steps: int, device) -> tuple[float, int, float]:
     return statistics.median(times), peak, first_loss
 
 
-def run(device: torch.device, quick: bool, models=None) -> list[dict]:
+def make_batch(name: str, device, tiny: bool) -> tuple[dict, list[int]]:
+    """The model's packed batch (one row of documents, fixed seed) and its document lengths."""
+    tokens = 256 if tiny else TOKENS.get(name, 16384)
+    lengths = sft_lengths(tokens, median=40 if tiny else 380)
+    ids = torch.randint(0, 256 if tiny else 128000, (1, tokens), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    return {"input_ids": ids.to(device), "labels": ids.to(device), "position_ids": positions.to(device)}, lengths
+
+
+def run(device: torch.device, quick: bool, models=None, only_columns=None) -> list[dict]:
     """One record per (model, column): median step ms, tokens/s, peak bytes."""
     try:
         import transformers  # noqa: F401
@@ -245,18 +325,20 @@ def run(device: torch.device, quick: bool, models=None) -> list[dict]:
     tiny = device.type != "cuda" or quick
     records = []
     for name in models or MODELS:
-        tokens = 256 if tiny else TOKENS.get(name, 16384)
-        lengths = sft_lengths(tokens, median=40 if tiny else 380)
-        ids = torch.randint(0, 256 if tiny else 128000, (1, tokens), generator=torch.Generator().manual_seed(1))
-        positions = torch.cat([torch.arange(n) for n in lengths])[None]
-        batch = {"input_ids": ids.to(device), "labels": ids.to(device), "position_ids": positions.to(device)}
-        for column in columns(device):
-            model, lora = _build(name, column, device, tiny)
+        batch, lengths = make_batch(name, device, tiny)
+        tokens = batch["input_ids"].shape[1]
+        moe = MODELS[name][0] in ("Qwen3MoeConfig", "GptOssConfig")
+        for column in columns(device, only_columns):
+            if column == "fastft, experts lora" and not moe:
+                continue
+            model, lora, restore = build(name, column, device, tiny)
             dtype = next(model.parameters()).dtype
             try:
                 ms, peak, loss = _step_ms(model, batch, 2 if tiny else 3, device)
             except torch.OutOfMemoryError:
                 ms, peak, loss = float("nan"), -1, float("nan")
+            finally:
+                restore()
             peak_gib = peak / 2**30 if peak >= 0 else None
             records.append(
                 {
@@ -275,29 +357,41 @@ def run(device: torch.device, quick: bool, models=None) -> list[dict]:
             )
             memory = f"peak {peak_gib:6.2f} GiB" if peak_gib is not None else "peak n/a (no GPU)"
             print(
-                f"{name:14s} {column:17s} {ms:9.1f} ms/step  {tokens / ms * 1000:9.0f} tok/s  {memory}  "
+                f"{name:14s} {column:22s} {ms:9.1f} ms/step  {tokens / ms * 1000:9.0f} tok/s  {memory}  "
                 f"loss {loss:.5f}",
                 flush=True,
             )
             del model
+            gc.collect()  # hooks and bound methods (fastft's, Liger's, PEFT's) make cycles: free them before the next
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return records
 
 
 def format_table(records: list[dict]) -> str:
+    """One row per (model, column): time, tokens/s, peak memory; each column's time over fastft's, and each
+    fastft column's speedup over the fastest peer column of its model (named)."""
     by = {(r["model"], r["column"]): r for r in records}
     lines = [
-        "| model | layers | tokens | column | step ms | tokens/s | peak GiB | fastft speedup |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | layers | tokens | column | step ms | tokens/s | peak GiB | ms / fastft's | vs fastest peer |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         ours = by.get((r["model"], "fastft"))
         ratio = f"{r['step_ms'] / ours['step_ms']:.2f}x" if ours and r["column"] != "fastft" else "-"
+        peers = [
+            p for p in records if p["model"] == r["model"] and p["column"] in PEERS and math.isfinite(p["step_ms"])
+        ]
+        best = min(peers, key=lambda p: p["step_ms"]) if peers else None
+        versus = (
+            f"{best['step_ms'] / r['step_ms']:.2f}x ({best['column']})"
+            if best and r["column"].startswith("fastft")
+            else "-"
+        )
         peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "n/a"
         lines.append(
             f"| {r['model']} | {r['layers']} | {r['tokens']} | {r['column']} | {r['step_ms']:.1f} | "
-            f"{r['tokens_per_s']:.0f} | {peak} | {ratio} |"
+            f"{r['tokens_per_s']:.0f} | {peak} | {ratio} | {versus} |"
         )
     return "\n".join(lines)
 

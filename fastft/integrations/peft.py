@@ -73,6 +73,17 @@ def use_lora(model):
     return model
 
 
+def revert_lora(model):
+    """Put every PEFT LoRA ``Linear`` that ``use_lora`` routed back on PEFT's forward; returns the model."""
+    from peft.tuners.lora.layer import Linear
+
+    for layer in model.modules():
+        forward = layer.__dict__.get("forward")
+        if isinstance(layer, Linear) and getattr(forward, "__func__", None) is _forward:
+            del layer.forward
+    return model
+
+
 def has_lora(model) -> bool:
     """Whether ``model`` holds PEFT LoRA linear layers (False when peft is not installed)."""
     try:

@@ -10,8 +10,10 @@ experts blocks from fastft, through transformers' own registries (no model code 
   every layer; no document attends to another; each layer's sliding window is honoured.
 - ``use_moe(model)``: experts implementation ``"fastft"`` (transformers' experts registry), see
   ``experts_forward``.
-- offload: ``enable_gradient_checkpointing`` (``fastft.offloaded_checkpoint`` as the checkpoint function).
+- offload: ``enable_gradient_checkpointing`` (``fastft.offloaded_checkpoint`` as the checkpoint function,
+  kept when ``Trainer``/TRL/PEFT call ``gradient_checkpointing_enable`` again).
 - LoRA: PEFT LoRA linear layers through ``fastft.lora.lora_linear`` (``fastft.integrations.peft``).
+- ``revert(model)`` undoes all of it; what ``apply`` replaced is kept on the model for that.
 
 transformers (5.x; tested with 5.17) is imported only by the functions here.
 """
@@ -19,6 +21,8 @@ transformers (5.x; tested with 5.17) is imported only by the functions here.
 from __future__ import annotations
 
 import functools
+import types
+import warnings
 
 import torch
 
@@ -45,14 +49,23 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tr
     return torch.cat(rows + [x.new_zeros(x.shape[0] - starts[-1], w.shape[-1])])  # padding rows: 0
 
 
-def experts_forward(
-    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+def routed_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    transposed: bool,
+    activation,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A transformers experts block's forward with fastft routing: ``moe_route`` (no host sync) ->
-    ``moe_permute`` -> grouped up/gate projection, gate, grouped down projection (+ per-expert biases
-    through ``moe_expert_rows``) -> ``moe_unpermute`` weighted by the router (fp32 sum in fixed order).
-    Expert ids outside ``[0, num_experts)`` (expert-parallel sentinels) contribute nothing."""
-    up = self.gate_up_proj if self.has_gate else self.up_proj
+    """An experts block with fastft routing: ``moe_route`` (no host sync) -> ``moe_permute`` -> grouped up
+    (or gate-up) projection (+ ``up_bias`` rows through ``moe_expert_rows``) -> ``activation`` -> grouped down
+    projection (+ ``down_bias`` rows) -> ``moe_unpermute`` weighted by the router (fp32 sum in fixed order).
+    ``hidden_states`` is ``[T, H]``; ``up``/``down`` are ``[E, out, in]`` (``[E, in, out]`` if ``transposed``).
+    Expert ids outside ``[0, E)`` (expert-parallel sentinels) contribute nothing."""
     num_experts = up.shape[0]
     tokens, top_k = top_k_index.shape
     weights = top_k_weights
@@ -60,14 +73,30 @@ def experts_forward(
         weights = weights.gather(1, top_k_index.long().clamp(0, num_experts - 1))
     routing = moe_route(top_k_index, num_experts)
     ends = routing.offsets[1:]
-    h = grouped_linear(moe_permute(hidden_states, routing), up, ends, self.is_transposed)
-    if self.has_bias:
-        h = h + moe_expert_rows(self.gate_up_proj_bias if self.has_gate else self.up_proj_bias, routing)
-    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-    out = grouped_linear(h, self.down_proj, ends, self.is_transposed)
-    if self.has_bias:
-        out = out + moe_expert_rows(self.down_proj_bias, routing)
+    h = grouped_linear(moe_permute(hidden_states, routing), up, ends, transposed)
+    if up_bias is not None:
+        h = h + moe_expert_rows(up_bias, routing)
+    out = grouped_linear(activation(h), down, ends, transposed)
+    if down_bias is not None:
+        out = out + moe_expert_rows(down_bias, routing)
     return moe_unpermute(out, routing, weights).to(hidden_states.dtype)
+
+
+def experts_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """A transformers experts block's forward through ``routed_experts`` (its gate, activation and biases)."""
+    return routed_experts(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        self.gate_up_proj if self.has_gate else self.up_proj,
+        self.down_proj,
+        transposed=self.is_transposed,
+        activation=self._apply_gate if self.has_gate else self.act_fn,
+        up_bias=(self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None,
+        down_bias=self.down_proj_bias if self.has_bias else None,
+    )
 
 
 def register() -> None:
@@ -79,15 +108,22 @@ def register() -> None:
 
 def use_moe(model):
     """Route every experts block of a transformers model through fastft (see ``experts_forward``); returns
-    the model."""
+    the model. Liger-Kernel's fused MoE in its place (``swiglu=True``) is replaced by fastft's path, with a
+    warning, whether Liger came before or after (``fastft.integrations.liger``)."""
+    from . import liger
+
     if not hasattr(model, "set_experts_implementation"):
         raise TypeError(f"model must be a transformers PreTrainedModel with experts blocks, got {type(model).__name__}")
     if not has_experts(model):
         raise ValueError(
             f"{type(model).__name__} has no transformers experts blocks (use_experts_implementation) to route"
         )
+    inner = hf_model(model)
+    state = _state(inner)
+    state.setdefault("experts", inner.config._experts_implementation)
     register()
-    model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    inner.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    liger.keep_fastft_experts(model, state)
     return model
 
 
@@ -167,9 +203,9 @@ def _prepare_packed_batch(module, args, kwargs):
     return args, {**kwargs, PACKED_INFO_KWARG: info}
 
 
-def _decoder_stack(model):
+def decoder_stack(model):
     """The transformers module whose forward takes ``input_ids``/``position_ids`` and calls the layers."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's wrapper
+    inner = hf_model(model)
     return getattr(inner, "base_model", inner)
 
 
@@ -182,12 +218,13 @@ def use_packed_attention(model):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     from transformers import AttentionInterface
 
+    inner = hf_model(model)
+    state = _state(inner)
+    state.setdefault("attention", inner.config._attn_implementation)
     AttentionInterface.register(ATTENTION_IMPLEMENTATION, attention_forward)
-    model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
-    stack = _decoder_stack(model)
-    if not getattr(stack, "_fastft_packed_hook", False):
-        stack.register_forward_pre_hook(_prepare_packed_batch, with_kwargs=True)
-        stack._fastft_packed_hook = True
+    inner.set_attn_implementation(ATTENTION_IMPLEMENTATION)
+    if "packed_hook" not in state:
+        state["packed_hook"] = decoder_stack(model).register_forward_pre_hook(_prepare_packed_batch, with_kwargs=True)
     return model
 
 
@@ -197,40 +234,85 @@ def use_packed_attention(model):
 def enable_gradient_checkpointing(model, config: OffloadConfig | None = None, **config_fields):
     """Turn on a transformers model's gradient checkpointing with offloaded checkpoints; returns the model.
 
-    ``model.gradient_checkpointing_enable()`` (which also makes PEFT's frozen inputs require grad) with
-    ``fastft.offload.gradient_checkpointing_func`` (an ``offloaded_checkpoint``) as every layer's checkpoint
-    function. ``config`` or ``OffloadConfig`` fields as keywords configure it.
+    Every layer's checkpoint function becomes ``fastft.offload.gradient_checkpointing_func`` (an
+    ``offloaded_checkpoint``; ``config`` or ``OffloadConfig`` fields as keywords configure it), and PEFT's
+    frozen inputs require grad as with ``model.gradient_checkpointing_enable()``.
+
+    The model's ``gradient_checkpointing_enable`` keeps fastft's function from then on: ``Trainer`` (with
+    ``gradient_checkpointing=True``), TRL and PEFT call it again, which would otherwise put torch's checkpoint
+    back on every layer. Their ``every_n_layers`` and checkpoint options (``preserve_rng_state``,
+    ``context_fn``, ``determinism_check``, ``debug``) are honoured. ``offload=True`` (transformers' own
+    offload: ``save_on_cpu`` around torch's checkpoint, copies on the compute stream) is fastft's offload
+    already, so fastft's side-stream, double-buffered version stays. ``use_reentrant=True`` is ignored with a
+    warning: the offload works through the non-reentrant checkpoint (which also keeps DDP and frozen-input
+    LoRA working). ``revert(model)`` gives the model back its own checkpointing.
     """
     if config is not None and config_fields:
         raise ValueError("give either config or OffloadConfig fields as keywords, not both")
     if config is not None and not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be a fastft.OffloadConfig or None, got {type(config).__name__}")
     config = config or OffloadConfig(**config_fields)
-    if not hasattr(model, "gradient_checkpointing_enable") or not hasattr(model, "_set_gradient_checkpointing"):
+    inner = hf_model(model)
+    if not hasattr(inner, "gradient_checkpointing_enable") or not hasattr(inner, "_set_gradient_checkpointing"):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    func = (
+    if not inner.supports_gradient_checkpointing:
+        raise ValueError(f"{type(inner).__name__} does not support gradient checkpointing")
+    state = _state(inner)
+    if "checkpointing" not in state:
+        state["checkpointing"] = (
+            [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in _gc_modules(inner)],
+            bool(getattr(inner, "_require_grads_hooks", None)),
+        )
+    state["checkpoint_func"] = (
         gradient_checkpointing_func
         if config == OffloadConfig()
         else functools.partial(offloaded_checkpoint, offload_config=config)
     )
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func)
+    inner.gradient_checkpointing_enable = types.MethodType(_gradient_checkpointing_enable, inner)
+    inner.gradient_checkpointing_enable()
     return model
+
+
+def _gc_modules(inner):
+    return [m for m in inner.modules() if hasattr(m, "gradient_checkpointing")]
+
+
+def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, every_n_layers: int = 1, offload=False):
+    """The ``gradient_checkpointing_enable`` of a model under ``enable_gradient_checkpointing``: transformers'
+    own (input grads, which layers), then fastft's checkpoint function on every layer (see there)."""
+    options = dict(gradient_checkpointing_kwargs or {})
+    if options.pop("use_reentrant", False):
+        warnings.warn(
+            "gradient_checkpointing_enable(use_reentrant=True) on a model with fastft's offloaded checkpointing: "
+            "fastft keeps its non-reentrant checkpoint (call fastft.integrations.transformers.revert(model) "
+            "first for torch's reentrant one)",
+            stacklevel=2,
+        )
+    type(self).gradient_checkpointing_enable(self, {"use_reentrant": False}, every_n_layers=every_n_layers)
+    func = self.__dict__[_STATE]["checkpoint_func"]
+    if options:
+        func = functools.partial(func, **options)
+    self._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func, every_n_layers=every_n_layers)
+
+
+def is_experts_block(module) -> bool:
+    """Whether ``module`` is a transformers experts block (``use_experts_implementation``)."""
+    return hasattr(module, "down_proj") and hasattr(module, "has_gate") and hasattr(module, "is_transposed")
 
 
 def has_experts(model) -> bool:
     """Whether a transformers model holds experts blocks (``use_experts_implementation``)."""
-    return any(
-        hasattr(m, "down_proj") and hasattr(m, "has_gate") and hasattr(m, "is_transposed") for m in model.modules()
-    )
+    return any(is_experts_block(m) for m in model.modules())
 
 
 def apply(model, *, packing: bool = True, offload_checkpointing: bool = True, moe: bool = True, lora: bool = True):
     """fastft for a transformers model (or a PEFT model around one), in place; returns the model.
     ``packing``: ``use_packed_attention``; ``offload_checkpointing``: gradient checkpointing through
-    ``fastft.offloaded_checkpoint``; ``moe``: ``use_moe`` when the model has experts blocks; ``lora``:
-    ``fastft.integrations.peft.use_lora`` when it has PEFT LoRA layers (so call ``apply`` after
-    ``peft.get_peft_model``)."""
+    ``fastft.offloaded_checkpoint`` (kept through later ``gradient_checkpointing_enable`` calls, e.g. by
+    ``Trainer``); ``moe``: ``use_moe`` when the model has experts blocks (Liger-Kernel's included);
+    ``lora``: ``fastft.integrations.peft.use_lora`` when it has PEFT LoRA layers (so call ``apply`` after
+    ``peft.get_peft_model``). ``revert(model)`` undoes it."""
+    from . import liger
     from . import peft as ft_peft
 
     if not hasattr(model, "set_attn_implementation"):
@@ -239,8 +321,56 @@ def apply(model, *, packing: bool = True, offload_checkpointing: bool = True, mo
         use_packed_attention(model)
     if moe and has_experts(model):
         use_moe(model)
+    if moe:
+        liger.route_liger_experts(model, _state(hf_model(model)))
     if lora and ft_peft.has_lora(model):
         ft_peft.use_lora(model)
     if offload_checkpointing:
         enable_gradient_checkpointing(model)
     return model
+
+
+def revert(model):
+    """Undo ``apply`` (and ``use_packed_attention``, ``use_moe``, ``enable_gradient_checkpointing``): the
+    attention and experts implementations the model had, its forward pre-hook removed, each checkpointed
+    layer's checkpoint flag and function as they were (torch's, or none), PEFT LoRA layers back on PEFT's
+    forward, Liger's experts blocks on Liger's; returns the model. ``ValueError`` if fastft set nothing."""
+    from . import liger
+    from . import peft as ft_peft
+
+    inner = hf_model(model)
+    state = inner.__dict__.pop(_STATE, None) if isinstance(inner, torch.nn.Module) else None
+    if state is None:
+        raise ValueError(f"{type(model).__name__} has nothing from fastft to revert (apply was not called on it)")
+    if "packed_hook" in state:
+        state["packed_hook"].remove()
+        inner.set_attn_implementation(state["attention"])
+    if "experts" in state and state["experts"] is not None:
+        inner.set_experts_implementation(state["experts"])
+    liger.revert(state)
+    if "checkpointing" in state:
+        del inner.__dict__["gradient_checkpointing_enable"]
+        flags, had_input_grads = state["checkpointing"]
+        for module, enabled, func in flags:
+            module.gradient_checkpointing = enabled
+            if func is None:
+                module.__dict__.pop("_gradient_checkpointing_func", None)
+            else:
+                module._gradient_checkpointing_func = func
+        if not had_input_grads:
+            inner.disable_input_require_grads()
+    if ft_peft.has_lora(model):
+        ft_peft.revert_lora(model)
+    return model
+
+
+_STATE = "_fastft_state"  # on the transformers model: what fastft changed and what it replaced
+
+
+def hf_model(model):
+    """The transformers model itself: ``model``, or the one inside a PEFT wrapper."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _state(inner) -> dict:
+    return inner.__dict__.setdefault(_STATE, {})

@@ -1,0 +1,230 @@
+"""``fastft.audit(step)``: where a training step's time goes between the kernels.
+
+    report = fastft.audit(lambda: model(**batch).loss.backward(), model=model)
+    print(report)
+
+Runs ``step`` under ``torch.profiler`` (after ``warmup`` unprofiled calls) and reports, per step: wall time,
+kernel time and the GPU-busy fraction (the union of kernel intervals over the wall time), work
+submissions ("launches": kernel launches, copies and memsets on CUDA; top-level aten calls on a CPU, where
+nothing is launched), host syncs and the aten op each came from, and the top launch sources: the innermost
+module class for forward work (recompute included), the autograd node for backward work. With ``model``,
+each decoder layer gets its own row (forward and recompute: backward work runs outside any module).
+``python -m fastft audit`` does this for the end-to-end benchmark's step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+
+_SUBMIT = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy", "cudaMemset", "hipLaunch", "hipMemcpy")
+_SYNC = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "hipStreamSynchronize")
+_STEP, _WAIT, _LAYER = "fastft.audit step", "fastft.audit drain", "fastft.audit layer "
+_MODULE, _BACKWARD = "fastft.audit module ", "autograd::"
+
+
+@dataclasses.dataclass
+class AuditReport:
+    """Per-step averages over the profiled steps (times in ms); see the module docstring."""
+
+    device: str
+    steps: int
+    wall_ms: float
+    kernel_ms: float | None  # None without a GPU
+    busy: float | None  # GPU-busy fraction of the wall time
+    launches: float
+    syncs: float
+    sync_sources: list  # [(aten op, syncs per step)]
+    top_sources: list  # [(module class or autograd node, launches per step)]
+    layers: list  # [{"layer": i, "launches": per step, "host_ms": per step, "kernel_ms": per step or None}]
+
+    def __str__(self) -> str:
+        what = "kernel launches, copies and memsets" if self.kernel_ms is not None else "top-level aten calls"
+        lines = [
+            f"audit on {self.device}, {self.steps} profiled steps (per step):",
+            f"  wall {self.wall_ms:.2f} ms"
+            + (
+                f", kernels {self.kernel_ms:.2f} ms, GPU busy {self.busy:.0%}"
+                if self.kernel_ms is not None
+                else " (no GPU: no kernel time)"
+            ),
+            f"  launches {self.launches:.0f} ({what}), host syncs {self.syncs:.0f}",
+        ]
+        for source, n in self.sync_sources:
+            lines.append(f"    sync from {source}: {n:g}")
+        lines.append("  top launch sources:")
+        lines += [f"    {n:8.0f}  {source}" for source, n in self.top_sources]
+        if self.layers:
+            lines.append("  decoder layers (forward and recompute):")
+            for row in self.layers:
+                kernel = f", kernels {row['kernel_ms']:.3f} ms" if row["kernel_ms"] is not None else ""
+                launches, host = row["launches"], row["host_ms"]
+                lines.append(f"    layer {row['layer']:3d}: {launches:6.0f} launches, host {host:.3f} ms{kernel}")
+        return "\n".join(lines)
+
+
+def decoder_layers(model) -> list:
+    """The repeated decoder layers of a transformers model (PEFT-wrapped or not): its checkpointable layers."""
+    try:
+        from transformers import GradientCheckpointingLayer
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+class _Ranges:
+    """Forward hooks that put each module call (and each decoder layer) in a profiler range."""
+
+    def __init__(self, model) -> None:
+        self.handles, self.open = [], collections.defaultdict(list)
+        layers = {id(m): i for i, m in enumerate(decoder_layers(model))} if model is not None else {}
+        for module in model.modules() if model is not None else ():
+            name = _MODULE + type(module).__name__
+            names = [name] + ([_LAYER + str(layers[id(module)])] if id(module) in layers else [])
+            self.handles.append(module.register_forward_pre_hook(self._enter(names)))
+            self.handles.append(module.register_forward_hook(self._exit(names), always_call=True))
+
+    def _enter(self, names):
+        def hook(module, args):
+            for name in names:
+                rf = torch.autograd.profiler.record_function(name)
+                rf.__enter__()
+                self.open[id(module)].append(rf)
+
+        return hook
+
+    def _exit(self, names):
+        def hook(module, args, output):
+            for _ in names:
+                self.open[id(module)].pop().__exit__(None, None, None)
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _ancestors(event):
+    while event is not None:
+        yield event
+        event = event.cpu_parent
+
+
+def _source(event) -> str:
+    """The innermost module range or autograd node above ``event``."""
+    for e in _ancestors(event):
+        if e.name.startswith(_MODULE):
+            return e.name[len(_MODULE) :]
+        if e.name.startswith(_BACKWARD):
+            return "backward: " + e.name.rsplit(": ", 1)[-1]
+    return "outside any module"
+
+
+def _union_ms(intervals) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1000
+
+
+def audit(step, *, model=None, steps: int = 3, warmup: int = 1, top: int = 10) -> AuditReport:
+    """Profile ``step()`` (a callable running one training step) ``steps`` times after ``warmup`` calls; see
+    the module docstring. ``model``: the model ``step`` trains, for per-module sources and per-layer rows."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    if not callable(step):
+        raise TypeError(f"step must be a callable running one training step, got {type(step).__name__}")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    for name, value, low in (("steps", steps, 1), ("warmup", warmup, 0), ("top", top, 1)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    ranges = _Ranges(model)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                with record_function(_STEP):  # the wall time includes draining the GPU's queue, not its sync
+                    step()
+                    if cuda:
+                        with record_function(_WAIT):
+                            torch.cuda.synchronize()
+    finally:
+        ranges.remove()
+    events = list(prof.events())
+    step_events = [e for e in events if e.name == _STEP]
+    windows = sorted((e.time_range.start, e.time_range.end) for e in step_events)
+    wall = sum(b - a for a, b in windows) / 1000
+
+    def in_step(e) -> bool:  # by time: backward work runs on autograd's own thread, outside the step's range
+        return any(a <= e.time_range.start < b for a, b in windows)
+
+    cpu = torch.autograd.DeviceType.CPU
+    events = [e for e in events if in_step(e)]
+    if cuda:
+        submits = [e for e in events if e.device_type == cpu and e.name.startswith(_SUBMIT)]
+        kernels = [  # device work; the profiler also mirrors record_function ranges onto the GPU timeline
+            e
+            for e in events
+            if e.device_type != cpu and not getattr(e, "is_user_annotation", False) and not e.name.startswith("fastft.")
+        ]
+        spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+        kernel_ms = sum(b - a for a, b in spans) / 1000
+        busy = _union_ms([(max(a, lo), min(b, hi)) for a, b in spans for lo, hi in windows if a < hi and b > lo])
+        busy = busy / wall if wall else 0.0
+    else:  # nothing is launched: count the aten calls made outside other aten calls
+        submits = [
+            e
+            for e in events
+            if e.name.startswith("aten::") and not any(p.name.startswith("aten::") for p in _ancestors(e.cpu_parent))
+        ]
+        kernel_ms = busy = None
+    syncs = [
+        e
+        for e in events
+        if (e.name.startswith(_SYNC) or e.name == "cudaMemcpy") and not any(p.name == _WAIT for p in _ancestors(e))
+    ]
+    sync_from = collections.Counter(
+        next((p.name for p in _ancestors(e) if p.name.startswith("aten::")), "outside aten") for e in syncs
+    )
+    sources = collections.Counter(_source(e) for e in submits)
+    per_layer = collections.Counter(
+        next((p.name for p in _ancestors(e) if p.name.startswith(_LAYER)), None) for e in submits
+    )
+    layer_rows = []
+    for i in range(len(decoder_layers(model)) if model is not None else 0):
+        spans = [e for e in events if e.name == f"{_LAYER}{i}"]
+        host = sum(e.time_range.end - e.time_range.start for e in spans) / 1000
+        kernel = sum(getattr(e, "device_time_total", 0.0) for e in spans) / 1000 if cuda else None
+        layer_rows.append(
+            {
+                "layer": i,
+                "launches": per_layer[f"{_LAYER}{i}"] / steps,
+                "host_ms": host / steps,
+                "kernel_ms": None if kernel is None else kernel / steps,
+            }
+        )
+    return AuditReport(
+        device=torch.cuda.get_device_name() if cuda else "cpu",
+        steps=steps,
+        wall_ms=wall / steps,
+        kernel_ms=None if kernel_ms is None else kernel_ms / steps,
+        busy=busy,
+        launches=len(submits) / steps,
+        syncs=len(syncs) / steps,
+        sync_sources=[(k, v / steps) for k, v in sync_from.most_common()],
+        top_sources=[(k, v / steps) for k, v in sources.most_common(top)],
+        layers=layer_rows,
+    )

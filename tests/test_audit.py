@@ -1,0 +1,80 @@
+"""fastft.audit: launches (top-level aten calls on a CPU, kernel launches on a GPU), host syncs and where they
+come from, per-layer rows; python -m fastft audit."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastft
+from fastft.audit import audit
+
+GPU = torch.cuda.is_available()
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(GPU, reason="counts aten calls, what a CPU run reports")
+def test_counts_each_top_level_aten_call():
+    x = torch.randn(8, 8)
+    report = audit(lambda: (torch.relu(x @ x) + 1).sum(), steps=3, warmup=0)  # mm, relu, add, sum
+    assert report.launches == 4 and report.syncs == 0 and report.kernel_ms is None
+    assert report.top_sources == [("outside any module", 4)]
+    assert "4 (top-level aten calls)" in str(report)
+
+
+def test_layers_and_sources_of_a_packed_training_step():
+    transformers = pytest.importorskip("transformers")
+    from fastft.integrations.transformers import apply
+    from fastft.testing import tiny_hf_model
+
+    device = "cuda" if GPU else "cpu"
+    model = apply(tiny_hf_model("llama", torch.bfloat16 if GPU else torch.float32, device))
+    ids = torch.randint(0, 128, (1, 40), device=device)
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)  # host lengths: no sync
+    batch = collate([{"input_ids": ids[0, :15].tolist()}, {"input_ids": ids[0, 15:].tolist()}])
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    report = audit(lambda: model(**batch).loss.backward(), model=model, steps=2)
+    assert [row["layer"] for row in report.layers] == [0, 1]
+    first, second = report.layers
+    assert first["launches"] == second["launches"] > 0  # identical layers, forward and recompute
+    assert first["launches"] + second["launches"] < report.launches
+    sources = dict(report.top_sources)
+    assert "LlamaAttention" in sources and any(s.startswith("backward: ") for s in sources)
+    assert report.syncs == 0, report.sync_sources
+    if GPU:
+        assert report.kernel_ms > 0 and 0 < report.busy <= 1 and first["kernel_ms"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+def test_finds_a_host_sync_and_its_op():
+    x = torch.randn(256, 256, device="cuda")
+    report = audit(lambda: (x @ x).sum().item(), steps=2)
+    assert report.syncs >= 1 and report.launches >= 2
+    assert any("item" in op or "_local_scalar_dense" in op for op, _ in report.sync_sources), report.sync_sources
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="step must be a callable"):
+        audit(None)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        audit(lambda: None, steps=0)
+    with pytest.raises(TypeError, match="warmup must be an int"):
+        audit(lambda: None, warmup=1.0)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        audit(lambda: None, model="llama")
+    assert fastft.audit is audit
+
+
+def test_cli_audits_the_e2e_step():
+    pytest.importorskip("transformers")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FASTFT_BACKEND": "torch"}
+    cmd = [sys.executable, "-m", "fastft", "audit", "--model", "Llama-3.2-1B", "--steps", "1", "--quick"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "top launch sources:" in out.stdout and "layer   1:" in out.stdout
+    out = subprocess.run(cmd + ["--column", "fastft, experts lora"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert out.returncode == 2 and "needs a MoE model" in out.stderr and "Traceback" not in out.stderr
