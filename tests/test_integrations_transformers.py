@@ -319,7 +319,7 @@ def test_revert_undoes_apply(name):
     assert (inner.config._attn_implementation, inner.config._experts_implementation) == before
     assert not inner.is_gradient_checkpointing and "gradient_checkpointing_enable" not in inner.__dict__
     assert not getattr(inner, "_require_grads_hooks", None)
-    assert not any(m._forward_pre_hooks for m in inner.modules())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in inner.modules())
     assert not any("forward" in m.__dict__ for m in model.modules())
     ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(3))
     loss, grads = loss_and_grads(model, ids)

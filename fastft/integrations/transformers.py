@@ -288,6 +288,8 @@ def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, eve
             "first for torch's reentrant one)",
             stacklevel=2,
         )
+    if getattr(self, "_require_grads_hooks", None):  # transformers would register its input-grad hooks again
+        self.disable_input_require_grads()
     type(self).gradient_checkpointing_enable(self, {"use_reentrant": False}, every_n_layers=every_n_layers)
     func = self.__dict__[_STATE]["checkpoint_func"]
     if options:
