@@ -175,7 +175,7 @@ def cmd_audit(args) -> int:
         args.usage_error(f"--column 'fastft, experts lora' needs a MoE model, not {args.model}")
     tiny = args.quick or device.type != "cuda"
     batch, _ = e2e.make_batch(args.model, device, tiny)
-    model, _, restore = e2e.build(args.model, args.column, device, tiny)
+    (model, _), restore = e2e.build(args.model, args.column, device, tiny)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
 

@@ -131,12 +131,10 @@ def _liger(model, config_cls: str):
 
 
 def build(name: str, column: str, device, tiny: bool):
-    """(model, whether LoRA is on, a function to call after the column ran)."""
-    import warnings
+    """((model, whether LoRA is on), a function to call after the column ran: it undoes Liger's module patches)."""
 
     import transformers
 
-    import fastft
     from fastft.integrations import transformers as ft_hf
 
     config_cls, fields, layers = MODELS[name]
@@ -152,6 +150,22 @@ def build(name: str, column: str, device, tiny: bool):
     model = model.train()
     moe = ft_hf.has_experts(model)
     restore = _liger(model, config_cls) if column in LIGER else (lambda: None)
+    try:
+        return _stack(model, name, column, moe), restore
+    except BaseException:
+        restore()
+        raise
+
+
+def _stack(model, name: str, column: str, moe: bool):
+    """``build``'s column set-up on a built model: (model, whether LoRA is on)."""
+    import warnings
+
+    import transformers
+
+    import fastft
+    from fastft.integrations import transformers as ft_hf
+
     if column == "naive glue":
         transformers.AttentionInterface.register("naive_packed", _naive_attention)
         model.set_attn_implementation("naive_packed")
@@ -182,7 +196,7 @@ def build(name: str, column: str, device, tiny: bool):
         with warnings.catch_warnings():  # "fastft + liger": fastft keeps its experts path, as it says
             warnings.filterwarnings("ignore", "Liger-Kernel's swiglu patch")
             ft_hf.apply(model, lora=column != "fastft, peft lora")
-    return model, lora, restore
+    return model, lora
 
 
 def describe(device: torch.device, quick: bool) -> str:
@@ -206,13 +220,13 @@ def describe(device: torch.device, quick: bool) -> str:
         )
     if device.type != "cuda":
         lines.append(f"{', '.join(GPU_ONLY)} need a GPU and are skipped; no peak memory without one")
-    elif not _installed("liger_kernel"):
-        lines.append(f"liger-kernel is not installed: {', '.join(LIGER)} are skipped (pip install liger-kernel)")
         if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("FASTFT_BACKEND", "auto") != "torch":
             lines.append(
                 "fastft columns run its Triton kernels in Triton's interpreter, slowly by design "
                 "(FASTFT_BACKEND=torch runs its torch path)"
             )
+    elif not _installed("liger_kernel"):
+        lines.append(f"liger-kernel is not installed: {', '.join(LIGER)} are skipped (pip install liger-kernel)")
     lines.append(
         "each column starts from the same weights and batch: fastft's first-step losses must equal naive "
         "glue's, or stock sdpa's without naive glue (exit status 1 if not)"
@@ -331,7 +345,7 @@ def run(device: torch.device, quick: bool, models=None, only_columns=None) -> li
         for column in columns(device, only_columns):
             if column == "fastft, experts lora" and not moe:
                 continue
-            model, lora, restore = build(name, column, device, tiny)
+            (model, lora), restore = build(name, column, device, tiny)
             dtype = next(model.parameters()).dtype
             try:
                 ms, peak, loss = _step_ms(model, batch, 2 if tiny else 3, device)
