@@ -134,7 +134,9 @@ def _union_ms(intervals) -> float:
 
 def audit(step, *, model=None, steps: int = 3, warmup: int = 1, top: int = 10) -> AuditReport:
     """Profile ``step()`` (a callable running one training step) ``steps`` times after ``warmup`` calls; see
-    the module docstring. ``model``: the model ``step`` trains, for per-module sources and per-layer rows."""
+    the module docstring. ``model``: the model ``step`` trains, for per-module sources and per-layer rows.
+    ``TypeError`` for a non-callable ``step``, a ``model`` that is not an ``nn.Module``, or non-int counts;
+    ``ValueError`` for ``steps`` or ``top`` below 1 or a negative ``warmup``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     if not callable(step):

@@ -132,7 +132,6 @@ def _liger(model, config_cls: str):
 
 def build(name: str, column: str, device, tiny: bool):
     """((model, whether LoRA is on), a function to call after the column ran: it undoes Liger's module patches)."""
-
     import transformers
 
     from fastft.integrations import transformers as ft_hf
@@ -201,7 +200,7 @@ def _stack(model, name: str, column: str, moe: bool):
 
 def describe(device: torch.device, quick: bool) -> str:
     """What the run measures, said before it starts."""
-    lora = _peft_installed()
+    lora = _installed("peft")
     lines = []
     if device.type != "cuda" or quick:
         lines.append(
@@ -240,16 +239,12 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def _peft_installed() -> bool:
-    return _installed("peft")
-
-
 def columns(device: torch.device, only=None) -> list[str]:
     """The columns that run here (see the module docstring), of ``only`` if given."""
     skip = set(GPU_ONLY) if device.type != "cuda" else set()
     if not _installed("liger_kernel"):
         skip.update(LIGER)
-    if not _peft_installed():
+    if not _installed("peft"):
         skip.update(("fastft, peft lora", "fastft, experts lora"))
     return [c for c in COLUMNS if c not in skip and (not only or c in only)]
 
