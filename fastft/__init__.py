@@ -16,6 +16,7 @@ if _ilu.find_spec(__name__ + ".kernels") is None:
 from . import copy, dispatch  # noqa: E402
 from .attention import packed_attention  # noqa: E402
 from .audit import AuditReport, audit  # noqa: E402  (the function shadows the submodule name)
+from .expert_parallel import moe_expert_parallel  # noqa: E402
 from .lora import lora_linear  # noqa: E402
 from .offload import OffloadConfig, offloaded_checkpoint  # noqa: E402
 from .packing import PackedSeqInfo, document_mask_mod, packed_seq_info  # noqa: E402
@@ -33,6 +34,7 @@ __all__ = [
     "moe_permute",
     "moe_unpermute",
     "moe_expert_rows",
+    "moe_expert_parallel",
     "copy",
     "OffloadConfig",
     "offloaded_checkpoint",

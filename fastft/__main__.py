@@ -147,6 +147,8 @@ def _record(device, rows) -> dict:
 def cmd_bench_e2e(args, device) -> int:
     from fastft.bench import e2e
 
+    if args.nproc is not None:
+        return cmd_bench_distributed(args, device)
     print(e2e.describe(device, args.quick))
     records = e2e.run(device, args.quick, args.model, args.column)
     if not records:
@@ -162,6 +164,27 @@ def cmd_bench_e2e(args, device) -> int:
         if e2e.chart(records, png):
             print(f"wrote {png}")
     return 0 if agree[0] else 1
+
+
+def cmd_bench_distributed(args, device) -> int:
+    from fastft.bench import distributed
+
+    if device.type not in ("cpu", "cuda"):
+        args.usage_error(f"--nproc runs on CUDA GPUs or CPUs, not {device.type}")
+    if device.type == "cpu" and torch.cuda.is_available():
+        args.usage_error("--nproc with --device cpu on a machine with GPUs: the ranks would take the GPUs")
+    if device.type == "cuda" and torch.cuda.device_count() < args.nproc:
+        args.usage_error(f"--nproc {args.nproc} needs {args.nproc} GPUs, this machine has {torch.cuda.device_count()}")
+    records = distributed.run(args.nproc, args.quick, args.model, args.column, args.parallel)
+    if not records:
+        print("nothing ran: --parallel ep/'hf ep' need a MoE --model (and ep a fastft --column)")
+        return 2
+    print(distributed.format_table(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_record(device, records), f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
 
 
 def cmd_audit(args) -> int:
@@ -258,6 +281,7 @@ BENCH_FAMILIES = ("packing", "routing", "attention", "copy", "offloader", "offlo
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fastft.bench.distributed import MODES as DISTRIBUTED_MODES
     from fastft.bench.e2e import COLUMNS, MODELS
 
     parser = argparse.ArgumentParser(prog=_prog(), description=__doc__.splitlines()[0])
@@ -290,6 +314,20 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(COLUMNS),
         metavar="NAME",
         help="with --e2e: only this column (repeatable); one of " + ", ".join(f"'{c}'" for c in COLUMNS),
+    )
+    p.add_argument(
+        "--nproc",
+        type=_positive(int),
+        metavar="N",
+        help="with --e2e: one process per GPU (NCCL; gloo on CPUs), 1 and N processes side by side",
+    )
+    p.add_argument(
+        "--parallel",
+        action="append",
+        choices=list(DISTRIBUTED_MODES),
+        metavar="MODE",
+        help="with --nproc (repeatable): ddp (default), fsdp2, ep (fastft's expert parallelism), "
+        "'hf ep' (transformers' own)",
     )
     p.set_defaults(fn=cmd_bench, usage_error=p.error)
     p = sub.add_parser("audit", help="profile one e2e training step: launches, host syncs, GPU-busy fraction")
@@ -327,6 +365,10 @@ def main(argv=None) -> int:
         args.usage_error("--model is taken with --e2e only")
     if args.cmd == "bench" and not args.e2e and args.column:
         args.usage_error("--column is taken with --e2e only")
+    if args.cmd == "bench" and args.nproc is None and args.parallel:
+        args.usage_error("--parallel is taken with --nproc only")
+    if args.cmd == "bench" and not args.e2e and args.nproc is not None:
+        args.usage_error("--nproc is taken with --e2e only")
     if args.cmd == "bench" and args.e2e and args.only:
         args.usage_error("--only selects op benchmarks; it is not taken with --e2e")
     return args.fn(args)

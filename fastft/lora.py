@@ -26,30 +26,36 @@ class _LoRALinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling):
         x2 = x.reshape(-1, x.shape[-1])
         a = lora_a.to(x.dtype)
-        bs = (lora_b * scaling).to(x.dtype)
+        b = lora_b.to(x.dtype)
         xa = x2 @ a.T  # [N, r]
         out = F.linear(x2, weight, bias)
-        out.addmm_(xa, bs.T)
-        ctx.save_for_backward(x2 if lora_a.requires_grad else None, xa, weight, a, bs)
+        out.addmm_(xa, b.T, alpha=scaling)
+        ctx.save_for_backward(x2 if lora_a.requires_grad else None, xa, weight, a, b)
         ctx.scaling, ctx.shape = scaling, x.shape
         ctx.dtypes = (lora_a.dtype, lora_b.dtype)
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x2, xa, weight, a, bs = ctx.saved_tensors
+        x2, xa, weight, a, b = ctx.saved_tensors
+        s = ctx.scaling
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         if dy.dtype != a.dtype:
             dy = dy.to(a.dtype)
-        dxa = dy @ bs  # [N, r]
+        dyb = dy @ b  # [N, r]; the scaling goes into the GEMMs below
         dx = da = db = None
         if ctx.needs_input_grad[0]:
-            dx = (dy @ weight).addmm_(dxa, a).view(ctx.shape)
+            dx = (dy @ weight).addmm_(dyb, a, alpha=s).view(ctx.shape)
         if ctx.needs_input_grad[3]:
-            da = (dxa.T @ x2).to(ctx.dtypes[0])
+            da = _scaled_mm(dyb.T, x2, s).to(ctx.dtypes[0])
         if ctx.needs_input_grad[4]:
-            db = (dy.T @ xa).to(ctx.dtypes[1]) * ctx.scaling
+            db = _scaled_mm(dy.T, xa, s).to(ctx.dtypes[1])
         return dx, None, None, da, db, None
+
+
+def _scaled_mm(m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``alpha * m1 @ m2`` in one GEMM (``beta=0``: the unfilled input is ignored, and not copied)."""
+    return torch.addmm(m1.new_empty(()), m1, m2, beta=0, alpha=alpha)
 
 
 def lora_linear(

@@ -83,9 +83,29 @@ def test_bench_e2e_columns_of_a_moe_model(tmp_path):
     assert "loss check Qwen3-30B-A3B: relative difference to stock sdpa" in out.stdout and "FAILS" not in out.stdout
 
 
+@pytest.mark.distributed
+def test_bench_e2e_nproc(tmp_path):
+    pytest.importorskip("transformers")
+    path = tmp_path / "dist.json"
+    args = ["--model", "Qwen3-30B-A3B", "--column", "fastft", "--parallel", "ep", "--parallel", "fsdp2"]
+    nproc = str(min(2, torch.cuda.device_count())) if torch.cuda.is_available() else "2"
+    out = run("bench", "--e2e", "--quick", "--nproc", nproc, *args, "--json", str(path), FASTFT_BACKEND="torch")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads(path.read_text())["rows"]
+    worlds = sorted({1, int(nproc)})
+    assert [(r["parallel"], r["world"]) for r in rows] == [(m, w) for m in ("ep", "fsdp2") for w in worlds]
+    assert all(r["step_ms"] > 0 and r["tokens_per_s_per_gpu"] > 0 for r in rows)
+    assert all(r["scaling"] == 1.0 for r in rows if r["world"] == 1)
+    assert "| Qwen3-30B-A3B | 2 | ep | fastft |" in out.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
+        (("bench", "--e2e", "--parallel", "ep"), "--parallel is taken with --nproc only"),
+        (("bench", "--nproc", "2"), "--nproc is taken with --e2e only"),
+        (("bench", "--e2e", "--nproc", "0"), "--nproc: must be > 0, got 0"),
+        (("bench", "--e2e", "--nproc", "2", "--parallel", "tp"), "invalid choice: 'tp'"),
         (("bench", "--e2e", "--model", "llama"), "invalid choice: 'llama' (choose from 'Llama-3.2-1B'"),
         (("bench", "--model", "Qwen3-0.6B"), "--model is taken with --e2e only"),
         (("bench", "--column", "fastft"), "--column is taken with --e2e only"),

@@ -95,3 +95,12 @@ def test_liger_experts_blocks_run_fastft(modeling, rng):
     assert_same(model, ref, batch)
     ft_hf.revert(model)
     assert not any("forward" in b.__dict__ for b in blocks)
+
+
+def test_expert_parallel_refuses_liger_experts_blocks(modeling):
+    swiglu_only()  # LigerExperts blocks: not transformers' experts blocks, so use_expert_parallel would skip them
+    model = tiny_hf_model("qwen3_moe")
+    with pytest.warns(UserWarning, match="LigerExperts"):
+        ft_hf.apply(model, offload_checkpointing=False)
+    with pytest.raises(ValueError, match="LigerExperts"):
+        ft_hf.use_expert_parallel(model)

@@ -398,3 +398,14 @@ def test_mixed_precision_training_matches_stock_sdpa():
         ft_hf.apply(model, offload_checkpointing=False)
         ours = model(input_ids=ids, position_ids=positions, use_cache=False).logits.float()
     torch.testing.assert_close(ours, stock, atol=3e-2, rtol=3e-2)
+
+
+def test_use_expert_parallel_errors():
+    model = tiny_hf_model("qwen3_moe")
+    with pytest.raises(ValueError, match="call apply"):
+        ft_hf.use_expert_parallel(model)
+    ft_hf.apply(model)
+    if not torch.distributed.is_initialized():
+        with pytest.raises(ValueError, match="init_process_group"):
+            ft_hf.use_expert_parallel(model)
+    assert ft_hf.expert_parameters(model) == set()  # nothing was sliced

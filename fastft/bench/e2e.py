@@ -130,25 +130,36 @@ def _liger(model, config_cls: str):
     return restore
 
 
-def build(name: str, column: str, device, tiny: bool):
-    """((model, whether LoRA is on), a function to call after the column ran: it undoes Liger's module patches)."""
+def model_config(name: str, tiny: bool):
+    """The transformers config of an e2e model (``tiny``: 2 layers, small widths)."""
     import transformers
-
-    from fastft.integrations import transformers as ft_hf
 
     config_cls, fields, layers = MODELS[name]
     fields = dict(fields, num_hidden_layers=layers)
     if tiny:
         fields.update({k: v for k, v in TINY.items() if k in fields}, num_hidden_layers=2)
-    config = getattr(transformers, config_cls)(**fields, use_cache=False)
-    torch.manual_seed(0)
-    with torch.device(device):  # initialise on the device: minutes on a CPU for billions of weights
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32
-        )
+    return getattr(transformers, config_cls)(**fields, use_cache=False)
+
+
+def dtype_for(device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def build(name: str, column: str, device, tiny: bool, model=None):
+    """((model, whether LoRA is on), a function to call after the column ran: it undoes Liger's module patches).
+    ``model``: one already built from ``model_config`` (e.g. loaded under a distributed plan) instead of a
+    fresh one with the fixed seed."""
+    import transformers
+
+    from fastft.integrations import transformers as ft_hf
+
+    if model is None:
+        torch.manual_seed(0)
+        with torch.device(device):  # initialise on the device: minutes on a CPU for billions of weights
+            model = transformers.AutoModelForCausalLM.from_config(model_config(name, tiny), dtype=dtype_for(device))
     model = model.train()
     moe = ft_hf.has_experts(model)
-    restore = _liger(model, config_cls) if column in LIGER else (lambda: None)
+    restore = _liger(model, MODELS[name][0]) if column in LIGER else (lambda: None)
     try:
         return _stack(model, name, column, moe), restore
     except BaseException:
@@ -281,7 +292,7 @@ def loss_check(records: list[dict]) -> tuple[bool, str]:
     return ok, "\n".join(lines)
 
 
-def _step_ms(model, batch, steps: int, device) -> tuple[float, int, float]:
+def step_ms(model, batch, steps: int, device) -> tuple[float, int, float]:
     """(median step ms, peak bytes, first step's loss)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
@@ -315,11 +326,12 @@ def _step_ms(model, batch, steps: int, device) -> tuple[float, int, float]:
     return statistics.median(times), peak, first_loss
 
 
-def make_batch(name: str, device, tiny: bool) -> tuple[dict, list[int]]:
-    """The model's packed batch (one row of documents, fixed seed) and its document lengths."""
+def make_batch(name: str, device, tiny: bool, seed: int = 0) -> tuple[dict, list[int]]:
+    """The model's packed batch (one row of documents drawn from ``seed``) and its document lengths."""
     tokens = 256 if tiny else TOKENS.get(name, 16384)
-    lengths = sft_lengths(tokens, median=40 if tiny else 380)
-    ids = torch.randint(0, 256 if tiny else 128000, (1, tokens), generator=torch.Generator().manual_seed(1))
+    lengths = sft_lengths(tokens, median=40 if tiny else 380, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, 256 if tiny else 128000, (1, tokens), generator=g)
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     return {"input_ids": ids.to(device), "labels": ids.to(device), "position_ids": positions.to(device)}, lengths
 
@@ -343,7 +355,7 @@ def run(device: torch.device, quick: bool, models=None, only_columns=None) -> li
             (model, lora), restore = build(name, column, device, tiny)
             dtype = next(model.parameters()).dtype
             try:
-                ms, peak, loss = _step_ms(model, batch, 2 if tiny else 3, device)
+                ms, peak, loss = step_ms(model, batch, 2 if tiny else 3, device)
             except torch.OutOfMemoryError:
                 ms, peak, loss = float("nan"), -1, float("nan")
             finally:

@@ -6,8 +6,8 @@
 Each PEFT LoRA ``Linear`` keeps its modules, parameters and state dict; only its forward changes, and only
 for plain LoRA: one active adapter, no dropout, no DoRA or other variant, no LoRA bias, not merged,
 adapters enabled, an ``nn.Linear`` base layer with frozen weights of the input's dtype, no autocast, no
-``adapter_names``. Anything else
-runs PEFT's own forward. peft is imported only by the functions here.
+``adapter_names``, no weight that is still a ``DTensor`` at forward (an adapter that is an FSDP2 unit of its
+own, or tensor parallelism). Anything else runs PEFT's own forward. peft is imported only by the functions here.
 """
 
 from __future__ import annotations
@@ -45,7 +45,17 @@ def _plain_adapter(layer, x: torch.Tensor, args, kwargs):
         return None
     if base.bias is not None and (base.bias.requires_grad or base.bias.dtype != x.dtype):
         return None
+    if any(_is_dtensor(t) for t in (base.weight, layer.lora_A[name].weight, lora_b.weight)):
+        return None  # sharded (an FSDP2 unit of its own, unsharded by its own forward only; or tensor parallel)
     return name
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:

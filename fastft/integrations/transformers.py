@@ -20,6 +20,7 @@ transformers (5.x; tested with 5.17) is imported only by the functions here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 import warnings
@@ -28,6 +29,7 @@ import torch
 
 from .. import capabilities
 from ..attention import packed_attention
+from ..expert_parallel import group_rank_size, moe_expert_parallel
 from ..offload import OffloadConfig, gradient_checkpointing_func, offloaded_checkpoint
 from ..packing import packed_seq_info
 from ..routing import moe_expert_rows, moe_permute, moe_route, moe_unpermute
@@ -52,7 +54,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tr
 def routed_experts(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
+    top_k_weights: torch.Tensor | None,
     up: torch.Tensor,
     down: torch.Tensor,
     *,
@@ -64,13 +66,10 @@ def routed_experts(
     """An experts block with fastft routing: ``moe_route`` (no host sync) -> ``moe_permute`` -> grouped up
     (or gate-up) projection (+ ``up_bias`` rows through ``moe_expert_rows``) -> ``activation`` -> grouped down
     projection (+ ``down_bias`` rows) -> ``moe_unpermute`` weighted by the router (fp32 sum in fixed order).
-    ``hidden_states`` is ``[T, H]``; ``up``/``down`` are ``[E, out, in]`` (``[E, in, out]`` if ``transposed``).
-    Expert ids outside ``[0, E)`` (expert-parallel sentinels) contribute nothing."""
+    ``hidden_states`` is ``[T, H]``; ``up``/``down`` are ``[E, out, in]`` (``[E, in, out]`` if ``transposed``);
+    ``top_k_weights`` ``[T, K]`` or None (all ones). Expert ids outside ``[0, E)`` (expert-parallel sentinels)
+    contribute nothing."""
     num_experts = up.shape[0]
-    tokens, top_k = top_k_index.shape
-    weights = top_k_weights
-    if weights.shape == (tokens, num_experts) and top_k != num_experts:  # routers that return every expert's weight
-        weights = weights.gather(1, top_k_index.long().clamp(0, num_experts - 1))
     routing = moe_route(top_k_index, num_experts)
     ends = routing.offsets[1:]
     h = grouped_linear(moe_permute(hidden_states, routing), up, ends, transposed)
@@ -79,24 +78,39 @@ def routed_experts(
     out = grouped_linear(activation(h), down, ends, transposed)
     if down_bias is not None:
         out = out + moe_expert_rows(down_bias, routing)
-    return moe_unpermute(out, routing, weights).to(hidden_states.dtype)
+    return moe_unpermute(out, routing, top_k_weights).to(hidden_states.dtype)
 
 
 def experts_forward(
     self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """A transformers experts block's forward through ``routed_experts`` (its gate, activation and biases)."""
-    return routed_experts(
-        hidden_states,
-        top_k_index,
-        top_k_weights,
-        self.gate_up_proj if self.has_gate else self.up_proj,
-        self.down_proj,
+    """A transformers experts block's forward through ``routed_experts`` (its gate, activation and biases),
+    or, after ``use_expert_parallel``, through ``fastft.moe_expert_parallel`` with this rank's experts."""
+    shard = self.__dict__.get(EXPERT_SHARD)
+    num_experts = shard.num_experts if shard is not None else self.down_proj.shape[0]
+    tokens, top_k = top_k_index.shape
+    if top_k_weights.shape == (tokens, num_experts) and top_k != num_experts:  # routers giving every weight
+        top_k_weights = top_k_weights.gather(1, top_k_index.long().clamp(0, num_experts - 1))
+    local = functools.partial(
+        routed_experts,
+        up=self.gate_up_proj if self.has_gate else self.up_proj,
+        down=self.down_proj,
         transposed=self.is_transposed,
         activation=self._apply_gate if self.has_gate else self.act_fn,
         up_bias=(self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None,
         down_bias=self.down_proj_bias if self.has_bias else None,
     )
+    if shard is None:
+        return local(hidden_states, top_k_index, top_k_weights)
+    out = moe_expert_parallel(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        lambda rows, ids: local(rows, ids, None),
+        num_experts=num_experts,
+        group=shard.group,
+    )
+    return out.to(hidden_states.dtype)
 
 
 def register() -> None:
@@ -125,6 +139,111 @@ def use_moe(model):
     inner.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     liger.keep_fastft_experts(model, state)
     return model
+
+
+# ---- expert parallelism ----------------------------------------------------------------------------------
+
+EXPERT_SHARD = "fastft_expert_shard"  # in an experts block's __dict__ under use_expert_parallel
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertShard:
+    """An experts block's place under ``use_expert_parallel``: the process group, this rank's index and the
+    group's size, the model's global expert count, and the names of the sliced parameters."""
+
+    group: object
+    rank: int
+    world: int
+    num_experts: int
+    names: tuple[str, ...]
+
+
+def use_expert_parallel(model, group=None):
+    """Expert parallelism with fastft's all-to-all path (``fastft.moe_expert_parallel``) over ``group``
+    (None: the default group, which it must span); returns the model.
+
+    Every rank keeps its own tokens (data parallel) and each experts block keeps only this rank's
+    ``E / W`` experts (rank ``r``: ``[r E/W, (r+1) E/W)``, sliced from the full weights every rank loaded).
+    Call it on every rank after ``apply`` (or ``use_moe``) and before ``DistributedDataParallel``: the expert
+    weights are left out of DDP's broadcast and gradient all-reduce (they differ per rank), and their
+    gradients, which sum every rank's loss, are divided by ``W`` to be the gradient of the mean of the
+    ranks' losses, as DDP gives the other parameters. With FSDP2, pass ``expert_parameters(model)`` to
+    ``fully_shard(..., ignored_params=...)``. ``revert(model)`` gathers the full experts back (a collective).
+
+    Unlike transformers' own expert-parallel plan (``DistributedConfig(enable_expert_parallel=True)``: the
+    same tokens on every rank, each rank's experts' partial outputs all-reduced), ranks here do not repeat
+    each other's attention and send only routed rows. LoRA on the experts is not supported here yet."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.utils import parametrize
+
+    from . import liger
+
+    inner = hf_model(model)
+    if any(liger.is_liger_experts(m) for m in inner.modules()):
+        raise ValueError(
+            "expert parallelism does not take Liger-Kernel's LigerExperts blocks: build the model without Liger's "
+            "swiglu, or apply Liger to the model instance (its instance forwards are taken off by apply)"
+        )
+    if getattr(getattr(inner, "config", None), "_experts_implementation", None) != EXPERTS_IMPLEMENTATION:
+        raise ValueError("use_expert_parallel needs fastft's experts path: call apply(model) (or use_moe) first")
+    rank, world = group_rank_size(group)
+    if world != dist.get_world_size():
+        raise ValueError(
+            f"the expert-parallel group has {world} of {dist.get_world_size()} ranks; a group spanning the world "
+            "is supported (experts replicated over several groups are not yet)"
+        )
+    state = _state(inner)
+    if "expert_parallel" in state:
+        raise ValueError("use_expert_parallel was already called on this model")
+    blocks = [m for m in inner.modules() if is_experts_block(m)]
+    sharded = []
+    for block in blocks:
+        num_experts = block.down_proj.shape[0]
+        if parametrize.is_parametrized(block):
+            raise ValueError("expert parallelism does not take LoRA (or another parametrization) on the experts yet")
+        if num_experts % world:
+            raise ValueError(f"{num_experts} experts do not split over {world} ranks")
+        names = tuple(n for n, p in block.named_parameters(recurse=False) if p.dim() and p.shape[0] == num_experts)
+        if any(isinstance(getattr(block, n), DTensor) for n in names):
+            raise ValueError("the experts are sharded already (transformers' expert-parallel plan): use one of the two")
+        local = num_experts // world
+        for name in names:
+            full = getattr(block, name)
+            part = torch.nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone(), full.requires_grad)
+            if part.requires_grad:
+                part.register_hook(functools.partial(torch.div, other=world))
+            setattr(block, name, part)
+        block.__dict__[EXPERT_SHARD] = ExpertShard(group, rank, world, num_experts, names)
+        sharded.append(block)
+    mine = {id(p) for p in expert_parameters(model)}
+    ignore = [n for n, p in model.named_parameters() if id(p) in mine]
+    previous = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, previous + ignore)
+    state["expert_parallel"] = (model, sharded, previous)
+    return model
+
+
+def expert_parameters(model) -> set:
+    """The expert weights ``use_expert_parallel`` sliced (this rank's own; for FSDP2's ``ignored_params``)."""
+    shards = [(m, m.__dict__[EXPERT_SHARD]) for m in hf_model(model).modules() if EXPERT_SHARD in m.__dict__]
+    return {getattr(m, n) for m, shard in shards for n in shard.names}
+
+
+def _gather_experts(state) -> None:
+    """Undo ``use_expert_parallel``: every rank gets the full expert weights back."""
+    import torch.distributed as dist
+
+    model, sharded, previous = state
+    for block in sharded:
+        shard = block.__dict__.pop(EXPERT_SHARD)
+        for name in shard.names:
+            part = getattr(block, name).detach().contiguous()
+            parts = [torch.empty_like(part) for _ in range(shard.world)]
+            dist.all_gather(parts, part, group=shard.group)
+            setattr(block, name, torch.nn.Parameter(torch.cat(parts), getattr(block, name).requires_grad))
+    model._ddp_params_and_buffers_to_ignore = previous
 
 
 # ---- packed-sequence attention --------------------------------------------------------------------------
@@ -336,7 +455,8 @@ def revert(model):
     """Undo ``apply`` (and ``use_packed_attention``, ``use_moe``, ``enable_gradient_checkpointing``): the
     attention and experts implementations the model had, its forward pre-hook removed, each checkpointed
     layer's checkpoint flag and function as they were (torch's, or none), PEFT LoRA layers back on PEFT's
-    forward, Liger's experts blocks on Liger's; returns the model. ``ValueError`` if fastft set nothing."""
+    forward, Liger's experts blocks on Liger's, the full experts on every rank after ``use_expert_parallel``
+    (a collective: call it on every rank); returns the model. ``ValueError`` if fastft set nothing."""
     from . import liger
     from . import peft as ft_peft
 
@@ -350,6 +470,8 @@ def revert(model):
     if "experts" in state and state["experts"] is not None:
         inner.set_experts_implementation(state["experts"])
     liger.revert(state)
+    if "expert_parallel" in state:
+        _gather_experts(state["expert_parallel"])
     if "checkpointing" in state:
         del inner.__dict__["gradient_checkpointing_enable"]
         flags, had_input_grads = state["checkpointing"]

@@ -1,0 +1,104 @@
+"""``fastft.moe_expert_parallel`` against a dense one-process computation: outputs and the gradients of the
+tokens, the router weights and every expert, with uneven token counts per rank and unrouted ids. Spawned
+processes on gloo (CPU); ``FASTFT_DIST_BACKEND=nccl FASTFT_DIST_WORLD=N`` runs them on N GPUs."""
+
+import os
+
+import pytest
+import torch
+
+import fastft
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("needs torch.distributed", allow_module_level=True)
+
+import torch.multiprocessing as mp  # noqa: E402
+
+from fastft.testing import exit_spawned_worker  # noqa: E402
+
+BACKEND = os.environ.get("FASTFT_DIST_BACKEND", "gloo")
+WORLD = int(os.environ.get("FASTFT_DIST_WORLD", "2"))
+H, K, LOCAL = 8, 3, 3  # hidden width, top-k, experts per rank
+
+pytestmark = pytest.mark.distributed
+if BACKEND == "gloo" and not dist.is_gloo_available():
+    pytest.skip("needs gloo", allow_module_level=True)
+if BACKEND == "nccl" and (not dist.is_nccl_available() or torch.cuda.device_count() < WORLD):
+    pytest.skip(f"needs NCCL and {WORLD} GPUs", allow_module_level=True)
+
+
+def inputs(rank, seed, device="cpu"):
+    """Rank ``rank``'s tokens [T, H], ids [T, K] (some -1 and E: unrouted), router weights [T, K], the
+    upstream gradient [T, H] and the global expert weights [E, H, H]."""
+    g = torch.Generator().manual_seed(seed)
+    experts = torch.randn(LOCAL * WORLD, H, H, generator=g)
+    g.manual_seed(seed + 1 + rank)
+    tokens = (9, 0, 5, 3)[rank % 4]  # uneven per rank; rank 1 sends nothing and only receives
+    ids = torch.randint(-1, LOCAL * WORLD + 1, (tokens, K), generator=g)
+    tensors = (torch.randn(tokens, H, generator=g), ids, torch.rand(tokens, K, generator=g))
+    return (*(t.to(device) for t in tensors), torch.randn(tokens, H, generator=g).to(device), experts.to(device))
+
+
+def dense(hidden, ids, weights, experts):
+    """The specification: ``sum_k w[t, k] * hidden[t] @ experts[ids[t, k]]`` over ids in range."""
+    valid = (ids >= 0) & (ids < experts.shape[0])
+    rows = torch.einsum("th,tkhf->tkf", hidden, experts[ids.clamp(0, experts.shape[0] - 1)])
+    return (rows * (weights * valid)[..., None]).sum(1)
+
+
+def worker(rank, init, out, seed):
+    device = torch.device(f"cuda:{rank}") if BACKEND == "nccl" else torch.device("cpu")
+    if BACKEND == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(BACKEND, init_method=f"file://{init}", rank=rank, world_size=WORLD)
+    try:
+        hidden, ids, weights, upstream, experts = inputs(rank, seed, device)
+        if WORLD > 1:  # checked before any collective
+            with pytest.raises(ValueError, match="divisible"):
+                fastft.moe_expert_parallel(hidden, ids, weights, lambda r, i: r, num_experts=LOCAL * WORLD + 1)
+        local = experts[rank * LOCAL : (rank + 1) * LOCAL].clone().requires_grad_()
+        hidden.requires_grad_()
+        weights.requires_grad_()
+        seen = []
+
+        def local_experts(rows, local_ids):
+            seen.append(local_ids)
+            return torch.einsum("nh,nhf->nf", rows, local[local_ids[:, 0]])
+
+        y = fastft.moe_expert_parallel(hidden, ids, weights, local_experts, num_experts=LOCAL * WORLD)
+        (y * upstream).sum().backward()
+        assert seen[0].dtype == torch.int64 and seen[0].shape[1:] == (1,)
+        assert bool(((seen[0] >= 0) & (seen[0] < LOCAL)).all())
+        result = {n: t.detach().cpu() for n, t in dict(y=y, hidden=hidden.grad, weights=weights.grad).items()}
+        torch.save({**result, "experts": local.grad.cpu()}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+    exit_spawned_worker()
+
+
+def test_matches_dense(tmp_path):
+    seed = int(torch.randint(0, 2**31, ()))
+    out = str(tmp_path / "out")
+    mp.spawn(worker, args=(str(tmp_path / "init"), out, seed), nprocs=WORLD)
+    results = [torch.load(f"{out}.{r}") for r in range(WORLD)]
+    experts = inputs(0, seed)[-1].requires_grad_()
+    for rank, result in enumerate(results):
+        hidden, ids, weights, upstream, _ = inputs(rank, seed)
+        hidden.requires_grad_()
+        weights.requires_grad_()
+        y = dense(hidden, ids, weights, experts)
+        (y * upstream).sum().backward()  # expert gradients sum over the ranks, as the all-to-all's do
+        for name, want in dict(y=y, hidden=hidden.grad, weights=weights.grad).items():
+            torch.testing.assert_close(result[name], want.detach(), msg=f"seed {seed}, rank {rank}: {name}")
+    got = torch.cat([r["experts"] for r in results])
+    torch.testing.assert_close(got, experts.grad, msg=f"seed {seed}: expert gradients")
+
+
+def test_needs_a_process_group():
+    x = torch.randn(4, H)
+    ids = torch.zeros(4, K, dtype=torch.long)
+    if dist.is_initialized():
+        pytest.skip("a process group is set up in this process")
+    with pytest.raises(ValueError, match="init_process_group"):
+        fastft.moe_expert_parallel(x, ids, torch.ones(4, K), lambda r, i: r, num_experts=4)
