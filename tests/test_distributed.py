@@ -19,6 +19,7 @@ if not dist.is_available():
 
 import torch.multiprocessing as mp  # noqa: E402
 
+from fastft.offload import offloader_for  # noqa: E402
 from fastft.testing import exit_spawned_worker  # noqa: E402
 
 BACKEND = os.environ.get("FASTFT_DIST_BACKEND", "gloo")
@@ -119,10 +120,15 @@ def worker(rank, init, out, family, wrap, lora, path):
 
         fastft_lora = []  # calls of fastft's LoRA path
         ft_peft.lora_linear = lambda *a, _f=ft_peft.lora_linear: fastft_lora.append(1) or _f(*a)
-        for _ in range(2):  # the second step checks nothing grew stale between steps (hooks, buffers)
+        pinned = []  # on GPUs: the offload's pinned host bytes after each step
+        for _ in range(3):  # later steps check nothing grew stale between steps (hooks, buffers, pinned pool)
             model.zero_grad(set_to_none=True)
             loss = wrapped(**batch(rank, wrap)).loss
             loss.backward()
+            if BACKEND == "nccl":
+                pinned.append(offloader_for(torch.empty(1, device=device(rank))).pool.held_bytes)
+        if pinned:  # (GPU memory across 100 offloaded steps: tests/test_offload_gpu.py)
+            assert pinned[1] > 0 and pinned[1] == pinned[2], f"nothing offloaded, or the pinned pool grew: {pinned}"
         grads = {
             n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().float().cpu()
             for n, p in model.named_parameters()
@@ -164,6 +170,8 @@ TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(ato
 def test_matches_one_process(family, wrap, lora, tmp_path, monkeypatch):
     if BACKEND == "gloo":
         monkeypatch.setenv("FASTFT_BACKEND", "torch")  # the ops' CPU path (the interpreter is not what is tested)
+    else:
+        monkeypatch.setenv("FASTFT_OFFLOAD_MIN_BYTES", "0")  # the tiny layers' inputs are offloaded too
     dtype = DTYPE.get(wrap, torch.float32)
     path = None
     if wrap == "hf ep":
