@@ -3,6 +3,7 @@ tokens, the router weights and every expert, with uneven token counts per rank a
 processes on gloo (CPU); ``FASTFT_DIST_BACKEND=nccl FASTFT_DIST_WORLD=N`` runs them on N GPUs."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -47,6 +48,21 @@ def dense(hidden, ids, weights, experts):
     return (rows * (weights * valid)[..., None]).sum(1)
 
 
+def host_syncs(fn):
+    """(``fn()``, where it made the host wait for the GPU; nothing off CUDA)."""
+    if BACKEND != "nccl":
+        return fn(), []
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return result, [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
 def worker(rank, init, out, seed):
     device = torch.device(f"cuda:{rank}") if BACKEND == "nccl" else torch.device("cpu")
     if BACKEND == "nccl":
@@ -66,8 +82,18 @@ def worker(rank, init, out, seed):
             seen.append(local_ids)
             return torch.einsum("nh,nhf->nf", rows, local[local_ids[:, 0]])
 
-        y = fastft.moe_expert_parallel(hidden, ids, weights, local_experts, num_experts=LOCAL * WORLD)
-        (y * upstream).sum().backward()
+        def forward_pass():
+            return fastft.moe_expert_parallel(hidden, ids, weights, local_experts, num_experts=LOCAL * WORLD)
+
+        (forward_pass() * upstream).sum().backward()  # warm-up: NCCL's communicator and the kernels start
+        _, idle = host_syncs(lambda: None)  # and the sync debug mode's own first-use warning, if any
+        for t in (hidden, weights, local):
+            t.grad = None
+        seen.clear()
+        y, forward = host_syncs(forward_pass)
+        _, backward = host_syncs(lambda: (y * upstream).sum().backward())
+        if BACKEND == "nccl":  # the design's one sync: the split sizes, in forward; backward reuses them
+            assert (len(forward), len(backward)) == (1, 0), (forward, backward, idle)
         assert seen[0].dtype == torch.int64 and seen[0].shape[1:] == (1,)
         assert bool(((seen[0] >= 0) & (seen[0] < LOCAL)).all())
         result = {n: t.detach().cpu() for n, t in dict(y=y, hidden=hidden.grad, weights=weights.grad).items()}
