@@ -54,7 +54,10 @@ def group_rank_size(group) -> tuple[int, int]:
 
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("expert parallelism needs torch.distributed initialised (init_process_group)")
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the expert-parallel group")
+    return rank, dist.get_world_size(group)
 
 
 def moe_expert_parallel(

@@ -73,6 +73,10 @@ def worker(rank, init, out, seed):
         if WORLD > 1:  # checked before any collective
             with pytest.raises(ValueError, match="divisible"):
                 fastft.moe_expert_parallel(hidden, ids, weights, lambda r, i: r, num_experts=LOCAL * WORLD + 1)
+            first = dist.new_group([0])  # every rank takes part in making it; rank 0 alone is in it
+            if rank > 0:
+                with pytest.raises(ValueError, match="not a member"):
+                    fastft.moe_expert_parallel(hidden, ids, weights, lambda r, i: r, num_experts=LOCAL, group=first)
         local = experts[rank * LOCAL : (rank + 1) * LOCAL].clone().requires_grad_()
         hidden.requires_grad_()
         weights.requires_grad_()
