@@ -100,7 +100,10 @@ def worker(rank, init, out, family, wrap, lora, path):
                 from torch.nn.parallel import DistributedDataParallel
 
                 options = {"ddp unused": {"find_unused_parameters": True}, "ddp static": {"static_graph": True}}
-                wrapped = DistributedDataParallel(model, **options.get(wrap, {}))
+                # EP with LoRA: DDP around the transformers model inside the PEFT wrapper (use_expert_parallel
+                # got the wrapper; the experts must stay out of DDP's broadcast either way)
+                target = ft_hf.hf_model(model) if wrap == "ep" and lora else model
+                wrapped = DistributedDataParallel(target, **options.get(wrap, {}))
             else:
                 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -160,7 +163,7 @@ CASES = [
     ("qwen3_moe", "fsdp2", True),
     ("qwen3_moe", "ep", False),  # fastft's expert parallelism under DDP
     ("qwen3_moe", "ep fsdp2", False),  # ... under FSDP2, the experts left to EP (ignored_params)
-    ("qwen3_moe", "ep", True),  # ... with LoRA on attention (frozen experts)
+    ("qwen3_moe", "ep", True),  # ... with LoRA on attention (frozen experts), DDP around the inner model
     ("qwen3_moe", "hf ep", False),  # transformers' expert-parallel plan with fastft's experts path
 ]
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-3, rtol=2e-2)}
@@ -204,3 +207,31 @@ def test_matches_one_process(family, wrap, lora, tmp_path, monkeypatch):
         assert result["grads"].keys() == grads.keys()
         for name, grad in grads.items():
             torch.testing.assert_close(result["grads"][name], grad, **TOLERANCE[dtype], msg=f"rank {rank}: {name}")
+
+
+def unignored_worker(rank, init):
+    """FSDP2 over a model under fastft's expert parallelism, the experts not left out: refused, not wrong."""
+    if BACKEND == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(BACKEND, init_method=f"file://{init}", rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        import fastft.integrations.transformers as ft_hf
+        from fastft.audit import decoder_layers
+
+        model = ft_hf.use_expert_parallel(build("qwen3_moe", False, rank))
+        for layer in decoder_layers(model):
+            fully_shard(layer)
+        fully_shard(model)
+        with pytest.raises(ValueError, match="ignored_params=expert_parameters"):
+            model(**batch(rank, "fsdp2"))
+    finally:
+        dist.destroy_process_group()
+    exit_spawned_worker()
+
+
+def test_fsdp2_must_leave_the_experts_to_expert_parallelism(tmp_path, monkeypatch):
+    if BACKEND == "gloo":
+        monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    mp.spawn(unignored_worker, args=(str(tmp_path / "init"),), nprocs=WORLD)

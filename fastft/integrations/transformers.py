@@ -87,6 +87,11 @@ def experts_forward(
     """A transformers experts block's forward through ``routed_experts`` (its gate, activation and biases),
     or, after ``use_expert_parallel``, through ``fastft.moe_expert_parallel`` with this rank's experts."""
     shard = self.__dict__.get(EXPERT_SHARD)
+    if shard is not None and any(getattr(self, n) is not p for n, p in zip(shard.names, shard.params)):
+        raise ValueError(
+            "this rank's expert weights were replaced after use_expert_parallel (FSDP2 without "
+            "ignored_params=expert_parameters(model) would shard them as if every rank held the same ones)"
+        )
     num_experts = shard.num_experts if shard is not None else self.down_proj.shape[0]
     tokens, top_k = top_k_index.shape
     if top_k_weights.shape == (tokens, num_experts) and top_k != num_experts:  # routers giving every weight
@@ -149,13 +154,14 @@ EXPERT_SHARD = "fastft_expert_shard"  # in an experts block's __dict__ under use
 @dataclasses.dataclass(frozen=True)
 class ExpertShard:
     """An experts block's place under ``use_expert_parallel``: the process group, this rank's index and the
-    group's size, the model's global expert count, and the names of the sliced parameters."""
+    group's size, the model's global expert count, and the names and objects of the sliced parameters."""
 
     group: object
     rank: int
     world: int
     num_experts: int
     names: tuple[str, ...]
+    params: tuple  # the sliced parameters, to notice a wrapper that replaced them (FSDP2 sharding them)
 
 
 def use_expert_parallel(model, group=None):
@@ -165,7 +171,8 @@ def use_expert_parallel(model, group=None):
     Every rank keeps its own tokens (data parallel) and each experts block keeps only this rank's
     ``E / W`` experts (rank ``r``: ``[r E/W, (r+1) E/W)``, sliced from the full weights every rank loaded).
     Call it on every rank after ``apply`` (or ``use_moe``) and before ``DistributedDataParallel``: the expert
-    weights are left out of DDP's broadcast and gradient all-reduce (they differ per rank), and their
+    weights are left out of DDP's broadcast and gradient all-reduce (they differ per rank) whether DDP wraps
+    ``model``, a PEFT wrapper's LoRA model or the transformers model inside it, and their
     gradients, which sum every rank's loss, are divided by ``W`` to be the gradient of the mean of the
     ranks' losses, as DDP gives the other parameters. With FSDP2, pass ``expert_parameters(model)`` to
     ``fully_shard(..., ignored_params=...)``. ``revert(model)`` gathers the full experts back (a collective).
@@ -215,27 +222,33 @@ def use_expert_parallel(model, group=None):
             if part.requires_grad:
                 part.register_hook(functools.partial(torch.div, other=world))
             setattr(block, name, part)
-        block.__dict__[EXPERT_SHARD] = ExpertShard(group, rank, world, num_experts, names)
+        params = tuple(getattr(block, n) for n in names)
+        block.__dict__[EXPERT_SHARD] = ExpertShard(group, rank, world, num_experts, names, params)
         sharded.append(block)
     mine = {id(p) for p in expert_parameters(model)}
-    ignore = [n for n, p in model.named_parameters() if id(p) in mine]
-    previous = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, previous + ignore)
-    state["expert_parallel"] = (model, sharded, previous)
+    previous = []  # (module DDP may wrap, its ignore list before)
+    # DDP reads the ignore list of the module it wraps: the PEFT wrapper, its LoRA model or the transformers
+    # model. Without it, DDP's first broadcast would overwrite every rank's experts with rank 0's.
+    for wrap in {id(m): m for m in (model, getattr(model, "base_model", model), inner)}.values():
+        before = list(getattr(wrap, "_ddp_params_and_buffers_to_ignore", []))
+        ignore = [n for n, p in wrap.named_parameters() if id(p) in mine]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(wrap, before + ignore)
+        previous.append((wrap, before))
+    state["expert_parallel"] = (sharded, previous)
     return model
 
 
 def expert_parameters(model) -> set:
     """The expert weights ``use_expert_parallel`` sliced (this rank's own; for FSDP2's ``ignored_params``)."""
-    shards = [(m, m.__dict__[EXPERT_SHARD]) for m in hf_model(model).modules() if EXPERT_SHARD in m.__dict__]
-    return {getattr(m, n) for m, shard in shards for n in shard.names}
+    shards = [m.__dict__[EXPERT_SHARD] for m in hf_model(model).modules() if EXPERT_SHARD in m.__dict__]
+    return {p for shard in shards for p in shard.params}
 
 
 def _gather_experts(state) -> None:
     """Undo ``use_expert_parallel``: every rank gets the full expert weights back."""
     import torch.distributed as dist
 
-    model, sharded, previous = state
+    sharded, previous = state
     for block in sharded:
         shard = block.__dict__.pop(EXPERT_SHARD)
         for name in shard.names:
@@ -243,7 +256,8 @@ def _gather_experts(state) -> None:
             parts = [torch.empty_like(part) for _ in range(shard.world)]
             dist.all_gather(parts, part, group=shard.group)
             setattr(block, name, torch.nn.Parameter(torch.cat(parts), getattr(block, name).requires_grad))
-    model._ddp_params_and_buffers_to_ignore = previous
+    for wrap, before in previous:
+        wrap._ddp_params_and_buffers_to_ignore = before
 
 
 # ---- packed-sequence attention --------------------------------------------------------------------------
