@@ -17,6 +17,7 @@ from . import copy, dispatch  # noqa: E402
 from .attention import packed_attention  # noqa: E402
 from .audit import AuditReport, audit  # noqa: E402  (the function shadows the submodule name)
 from .expert_parallel import moe_expert_parallel  # noqa: E402
+from .graphs import graphed_checkpoint  # noqa: E402
 from .lora import lora_linear  # noqa: E402
 from .offload import OffloadConfig, offloaded_checkpoint  # noqa: E402
 from .packing import PackedSeqInfo, document_mask_mod, packed_seq_info  # noqa: E402
@@ -38,6 +39,7 @@ __all__ = [
     "copy",
     "OffloadConfig",
     "offloaded_checkpoint",
+    "graphed_checkpoint",
     "lora_linear",
     "audit",
     "AuditReport",

@@ -56,7 +56,9 @@ class AuditReport:
             lines.append(f"    sync from {source}: {n:g}")
         lines.append("  top launch sources:")
         lines += [f"    {n:8.0f}  {source}" for source, n in self.top_sources]
-        if self.layers:
+        if self.layers and not any(row["launches"] for row in self.layers):
+            lines.append("  decoder layers: no module code ran in them (CUDA graph replays, counted above)")
+        elif self.layers:
             lines.append("  decoder layers (forward and recompute):")
             for row in self.layers:
                 kernel = f", kernels {row['kernel_ms']:.3f} ms" if row["kernel_ms"] is not None else ""
@@ -93,6 +95,7 @@ class _Ranges:
                 rf.__enter__()
                 self.open[id(module)].append(rf)
 
+        hook.profiler_range_only = True  # fastft.graphs captures layers with these hooks all the same
         return hook
 
     def _exit(self, names):
@@ -100,6 +103,7 @@ class _Ranges:
             for _ in names:
                 self.open[id(module)].pop().__exit__(None, None, None)
 
+        hook.profiler_range_only = True
         return hook
 
     def remove(self) -> None:

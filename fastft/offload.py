@@ -111,8 +111,10 @@ def offloader_for(x, config: OffloadConfig | None = None) -> Offloader | None:
     return _offloaders[key]
 
 
-class _SavedInput:
-    """What the saved-tensor hook keeps for the offloaded input: its host copy on its Offloader."""
+class OffloadedInput:
+    """A checkpoint's input offloaded to host memory by ``offloader``; ``unpack()`` brings it back for the
+    recomputation and starts the reload of the input offloaded just before it (backward's next) into the
+    Offloader's other buffer."""
 
     def __init__(self, x: torch.Tensor, offloader: Offloader) -> None:
         self.offloader = offloader
@@ -160,18 +162,18 @@ def offloaded_checkpoint(
     offloader = offloader_for(x, offload_config)
     if offloader is None:
         return torch.utils.checkpoint.checkpoint(function, *args, **options, **kwargs)
-    saved: list[_SavedInput] = []
+    saved: list[OffloadedInput] = []
     x_ref = weakref.ref(x)  # autograd keeps the pack hook with each saved tensor: it must not keep x alive
 
     def pack(t):
         if t is not x_ref():
             return t
         if not saved:
-            saved.append(_SavedInput(t, offloader))
+            saved.append(OffloadedInput(t, offloader))
         return saved[0]
 
     def unpack(obj):
-        return obj.unpack() if isinstance(obj, _SavedInput) else obj
+        return obj.unpack() if isinstance(obj, OffloadedInput) else obj
 
     # Outside the checkpoint's own hooks these see only the inputs the checkpoint saves for recomputation.
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

@@ -166,8 +166,8 @@ class PackedSeqInfo:
     Attributes (tensors on ``device``):
       cu_seqlens   int32 [num_seqs + 1]: start offset of each sequence in the flattened token stream;
                    ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == num_tokens``.
-      seq_lengths  int32 [num_seqs]: ``cu_seqlens[1:] - cu_seqlens[:-1]``, all > 0.
-      max_seqlen   int: the longest sequence (0 when there are no tokens).
+      seq_lengths  int32 [num_seqs]: ``cu_seqlens[1:] - cu_seqlens[:-1]``, all > 0 (but ``padded``'s).
+      max_seqlen   int: the longest sequence (0 when there are no tokens; ``padded``'s: a bound).
       num_seqs     int: number of sequences (documents).
       doc_ids      int32, ``[B, T]`` for ``[B, T]`` position ids, else ``[T]``: global index of each
                    token's document.
@@ -211,7 +211,10 @@ class PackedSeqInfo:
 
     def _get(self, name):
         if name not in self._memo:
-            if name in ("doc_ids", "position_ids"):
+            if name == "seq_lengths" and "cu_seqlens" in self._memo:  # a padded info: derived where it is read
+                cu = self._memo["cu_seqlens"]
+                self._memo["seq_lengths"] = cu[1:] - cu[:-1]
+            elif name in ("doc_ids", "position_ids"):
                 backend = dispatch.backend_for(OP_FROM_CU_SEQLENS, self.device, self._backend)
                 doc, pos = from_cu_seqlens_op(self._memo["cu_seqlens"], self.num_tokens, backend)
                 self._memo.update(doc_ids=doc, position_ids=pos)
@@ -225,6 +228,46 @@ class PackedSeqInfo:
     num_seqs = property(lambda self: self._get("num_seqs"))
     doc_ids = property(lambda self: self._get("doc_ids"))
     position_ids = property(lambda self: self._get("position_ids"))
+
+    def padded(
+        self, num_seqs: int, max_seqlen: int, out: torch.Tensor | None = None, *, fill: bool = True
+    ) -> PackedSeqInfo:
+        """The same documents as an info of exactly ``num_seqs`` sequences, the extra ones empty at the end
+        (their ``cu_seqlens`` entries repeat ``num_tokens``), with ``max_seqlen`` as the bound on their
+        length: static shapes for CUDA graphs (flash's variable-length kernels do no work for an empty
+        sequence). ``out``: an int32 ``[num_seqs + 1]`` tensor on ``device`` to write ``cu_seqlens`` into,
+        which the result reads; ``fill=False``: ``out`` holds them already (a CUDA graph's static input), no
+        kernel runs. Its ``seq_lengths``, ``doc_ids`` and ``position_ids`` are derived from ``cu_seqlens``
+        when first read. Reads ``num_seqs``/``max_seqlen`` (one sync for device position ids, as they cost
+        anyway)."""
+        int_arg("num_seqs", num_seqs, minimum=0)
+        int_arg("max_seqlen", max_seqlen, minimum=0)
+        if num_seqs < self.num_seqs:
+            raise ValueError(f"num_seqs={num_seqs} is less than this batch's {self.num_seqs} sequences")
+        if not self.max_seqlen <= max_seqlen <= self.num_tokens:
+            raise ValueError(
+                f"max_seqlen={max_seqlen} must be from the longest sequence ({self.max_seqlen}) to num_tokens "
+                f"({self.num_tokens})"
+            )
+        if out is None:
+            if not fill:
+                raise ValueError("fill=False needs out, the buffer that holds the padded cu_seqlens")
+            out = torch.empty(num_seqs + 1, dtype=torch.int32, device=self.device)
+        elif not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a tensor or None, got {type(out).__name__}")
+        elif out.dtype != torch.int32 or tuple(out.shape) != (num_seqs + 1,) or out.device != self.device:
+            raise ValueError(
+                f"out must be int32 [{num_seqs + 1}] on {self.device}, "
+                f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+            )
+        if fill:
+            n = self.num_seqs
+            out[: n + 1].copy_(self.cu_seqlens)
+            out[n + 1 :].fill_(self.num_tokens)
+        memo = {"cu_seqlens": out, "max_seqlen": max_seqlen, "num_seqs": num_seqs}
+        return PackedSeqInfo(
+            num_tokens=self.num_tokens, device=self.device, shape=self._shape, backend=self._backend, memo=memo
+        )
 
     def _doc_rows(self) -> torch.Tensor:
         return self.doc_ids.reshape(self._shape)

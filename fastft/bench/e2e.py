@@ -21,7 +21,9 @@ Columns, one model build each, same weights and batch:
 - ``fastft``: ``fastft.integrations.transformers.apply`` on the PEFT model;
 - ``fastft + liger``: ``apply`` on a model that Liger patched first (fastft keeps its experts path);
 - ``fastft, experts lora`` (MoE models): ``fastft`` with LoRA also on the experts' weights (PEFT
-  ``target_parameters``), what MoE fine-tunes train.
+  ``target_parameters``), what MoE fine-tunes train;
+- ``fastft, graphs`` and ``fastft + liger, graphs``: the same with ``apply(..., graphs=True)``, each
+  checkpointed layer replayed as CUDA graphs (GPU only; captured on the first, untimed steps).
 
 Peers are the columns users run without fastft: ``stock *`` and ``liger + stock flex``.
 """
@@ -63,11 +65,20 @@ COLUMNS = (
     "fastft",
     "fastft + liger",
     "fastft, experts lora",
+    "fastft, graphs",
+    "fastft + liger, graphs",
 )
 PEERS = ("stock sdpa", "stock sdpa, hf offload", "stock flex", "liger + stock flex")
 # hf offload: transformers 5.17's pins host memory, which a CPU-only torch cannot
-GPU_ONLY = ("stock sdpa, hf offload", "stock flex", "liger + stock flex", "fastft + liger")
-LIGER = ("liger + stock flex", "fastft + liger")
+GPU_ONLY = (
+    "stock sdpa, hf offload",
+    "stock flex",
+    "liger + stock flex",
+    "fastft + liger",
+    "fastft, graphs",
+    "fastft + liger, graphs",
+)
+LIGER = ("liger + stock flex", "fastft + liger", "fastft + liger, graphs")
 LIGER_FAMILIES = {
     "LlamaConfig": "llama",
     "Qwen3Config": "qwen3",
@@ -205,7 +216,7 @@ def _stack(model, name: str, column: str, moe: bool):
     if column.startswith("fastft"):
         with warnings.catch_warnings():  # "fastft + liger": fastft keeps its experts path, as it says
             warnings.filterwarnings("ignore", "Liger-Kernel's swiglu patch")
-            ft_hf.apply(model, lora=column != "fastft, peft lora")
+            ft_hf.apply(model, lora=column != "fastft, peft lora", graphs=column.endswith(", graphs"))
     return model, lora
 
 
@@ -293,7 +304,7 @@ def loss_check(records: list[dict]) -> tuple[bool, str]:
 
 
 def step_ms(model, batch, steps: int, device) -> tuple[float, int, float]:
-    """(median step ms, peak bytes, first step's loss)."""
+    """(median step ms, peak bytes (CUDA graph pools included), first step's loss)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
     times = []
@@ -322,8 +333,17 @@ def step_ms(model, batch, steps: int, device) -> tuple[float, int, float]:
             ms = (time.perf_counter() - t0) * 1000
         if i >= 2:
             times.append(ms)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else -1
+    peak = torch.cuda.max_memory_allocated() + graph_pool_bytes() if device.type == "cuda" else -1
     return statistics.median(times), peak, first_loss
+
+
+def graph_pool_bytes() -> int:
+    """Memory that CUDA graphs' private pools hold beyond live tensors: their replays use it, the allocator's
+    peak does not count it."""
+    segments = torch.cuda.memory_snapshot()
+    return sum(
+        s["total_size"] - s["allocated_size"] for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)
+    )
 
 
 def make_batch(name: str, device, tiny: bool, seed: int = 0) -> tuple[dict, list[int]]:

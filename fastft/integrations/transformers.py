@@ -30,6 +30,7 @@ import torch
 from .. import capabilities
 from ..attention import packed_attention
 from ..expert_parallel import group_rank_size, moe_expert_parallel
+from ..graphs import graphed_checkpoint
 from ..offload import OffloadConfig, gradient_checkpointing_func, offloaded_checkpoint
 from ..packing import packed_seq_info
 from ..routing import moe_expert_rows, moe_permute, moe_route, moe_unpermute
@@ -364,12 +365,14 @@ def use_packed_attention(model):
 # ---- offloaded gradient checkpointing ---------------------------------------------------------------------
 
 
-def enable_gradient_checkpointing(model, config: OffloadConfig | None = None, **config_fields):
+def enable_gradient_checkpointing(model, config: OffloadConfig | None = None, *, graphs: bool = False, **config_fields):
     """Turn on a transformers model's gradient checkpointing with offloaded checkpoints; returns the model.
 
     Every layer's checkpoint function becomes ``fastft.offload.gradient_checkpointing_func`` (an
-    ``offloaded_checkpoint``; ``config`` or ``OffloadConfig`` fields as keywords configure it), and PEFT's
-    frozen inputs require grad as with ``model.gradient_checkpointing_enable()``.
+    ``offloaded_checkpoint``; ``config`` or ``OffloadConfig`` fields as keywords configure it), or with
+    ``graphs=True`` ``fastft.graphs.graphed_checkpoint`` (each layer's forward and recompute + backward
+    replayed as CUDA graphs), and PEFT's frozen inputs require grad as with
+    ``model.gradient_checkpointing_enable()``.
 
     The model's ``gradient_checkpointing_enable`` keeps fastft's function from then on: ``Trainer`` (with
     ``gradient_checkpointing=True``), TRL and PEFT call it again, which would otherwise put torch's checkpoint
@@ -384,6 +387,8 @@ def enable_gradient_checkpointing(model, config: OffloadConfig | None = None, **
         raise ValueError("give either config or OffloadConfig fields as keywords, not both")
     if config is not None and not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be a fastft.OffloadConfig or None, got {type(config).__name__}")
+    if not isinstance(graphs, bool):
+        raise TypeError(f"graphs must be True or False, got {graphs!r}")
     config = config or OffloadConfig(**config_fields)
     inner = hf_model(model)
     if not hasattr(inner, "gradient_checkpointing_enable") or not hasattr(inner, "_set_gradient_checkpointing"):
@@ -396,11 +401,12 @@ def enable_gradient_checkpointing(model, config: OffloadConfig | None = None, **
             [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in _gc_modules(inner)],
             bool(getattr(inner, "_require_grads_hooks", None)),
         )
-    state["checkpoint_func"] = (
-        gradient_checkpointing_func
-        if config == OffloadConfig()
-        else functools.partial(offloaded_checkpoint, offload_config=config)
-    )
+    if graphs:
+        state["checkpoint_func"] = functools.partial(graphed_checkpoint, offload_config=config)
+    elif config == OffloadConfig():
+        state["checkpoint_func"] = gradient_checkpointing_func
+    else:
+        state["checkpoint_func"] = functools.partial(offloaded_checkpoint, offload_config=config)
     inner.gradient_checkpointing_enable = types.MethodType(_gradient_checkpointing_enable, inner)
     inner.gradient_checkpointing_enable()
     return model
@@ -440,18 +446,31 @@ def has_experts(model) -> bool:
     return any(is_experts_block(m) for m in model.modules())
 
 
-def apply(model, *, packing: bool = True, offload_checkpointing: bool = True, moe: bool = True, lora: bool = True):
+def apply(
+    model,
+    *,
+    packing: bool = True,
+    offload_checkpointing: bool = True,
+    moe: bool = True,
+    lora: bool = True,
+    graphs: bool = False,
+):
     """fastft for a transformers model (or a PEFT model around one), in place; returns the model.
     ``packing``: ``use_packed_attention``; ``offload_checkpointing``: gradient checkpointing through
     ``fastft.offloaded_checkpoint`` (kept through later ``gradient_checkpointing_enable`` calls, e.g. by
     ``Trainer``); ``moe``: ``use_moe`` when the model has experts blocks (Liger-Kernel's included);
     ``lora``: ``fastft.integrations.peft.use_lora`` when it has PEFT LoRA layers (so call ``apply`` after
-    ``peft.get_peft_model``). ``revert(model)`` undoes it."""
+    ``peft.get_peft_model``); ``graphs``: each checkpointed layer replayed as CUDA graphs
+    (``fastft.graphs.graphed_checkpoint``; needs ``offload_checkpointing``). ``revert(model)`` undoes it."""
     from . import liger
     from . import peft as ft_peft
 
     if not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if not isinstance(graphs, bool):
+        raise TypeError(f"graphs must be True or False, got {graphs!r}")
+    if graphs and not offload_checkpointing:
+        raise ValueError("graphs=True needs offload_checkpointing=True: the graphs are replayed by fastft's checkpoint")
     if packing:
         use_packed_attention(model)
     if moe and has_experts(model):
@@ -461,7 +480,7 @@ def apply(model, *, packing: bool = True, offload_checkpointing: bool = True, mo
     if lora and ft_peft.has_lora(model):
         ft_peft.use_lora(model)
     if offload_checkpointing:
-        enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(model, graphs=graphs)
     return model
 
 
