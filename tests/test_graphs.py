@@ -318,3 +318,18 @@ def test_apply_graphs_errors():
     assert func.func is fastft.graphed_checkpoint
     model.gradient_checkpointing_enable()  # what Trainer does: fastft's graphed checkpoint stays
     assert layer._gradient_checkpointing_func.func is fastft.graphed_checkpoint
+
+
+def test_graphed_documents_never_see_each_other(where):
+    device, dtype, counter = where
+    from fastft.integrations import transformers as ft_hf
+
+    model = ft_hf.apply(tiny_hf_model("llama", dtype, device), graphs=True)
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, 128, (n,), generator=g).to(device) for n in (13, 31, 20)]  # 3 padded to 4
+    positions = torch.cat([torch.arange(len(d)) for d in docs])[None].to(device)
+    packed = model(input_ids=torch.cat(docs)[None], position_ids=positions).logits[0]  # grad on: graphs
+    assert counter["graphs"] == 2 * 2
+    alone = torch.cat([model(input_ids=d[None]).logits[0] for d in docs])
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(packed, alone, **tol)
