@@ -149,7 +149,7 @@ class _Graphs:
 
     def __init__(self, statics, params, identity, out_leaves, out_spec, diff_out, diff_in, used) -> None:
         self.statics, self.params, self.identity = statics, params, identity
-        self.out_leaves, self.out_spec = out_leaves, out_spec  # outputs' leaves (_OUT for tensors), structure
+        self.out_leaves, self.out_spec = out_leaves, out_spec  # outputs' leaves (_TENSOR for tensors), structure
         self.diff_out = diff_out  # indices of the tensor outputs that carry gradients
         self.diff_in = diff_in  # indices of the tensor inputs that require grad
         self.used = used  # per (diff input, then trainable parameter): whether it gets a gradient
@@ -213,18 +213,24 @@ def _capture(module, target, spec, leaves, statics, device) -> _Graphs:
     rng = _rng_state(device)
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        with torch.no_grad():
-            out_leaves, out_spec = pytree.tree_flatten(call())
-        with torch.enable_grad():
-            outs = _tensors(pytree.tree_flatten(call())[0])
-            diff_out = [i for i, o in enumerate(outs) if o.requires_grad]
-            ones = [torch.ones_like(outs[i]) for i in diff_out]
-            used = [
-                g is not None for g in torch.autograd.grad([outs[i] for i in diff_out], wrt, ones, allow_unused=True)
-            ]
-    if stream is not None:
-        torch.cuda.current_stream(device).wait_stream(stream)
+    versions = [t._version for t in inputs]
+    try:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            with torch.no_grad():
+                out_leaves, out_spec = pytree.tree_flatten(call())
+            if versions != [t._version for t in inputs]:  # a replay would leave its static inputs changed
+                statics.last = [None] * len(statics.last)
+                raise _CaptureError("it modifies its tensor arguments in place")
+            with torch.enable_grad():
+                outs = _tensors(pytree.tree_flatten(call())[0])
+                diff_out = [i for i, o in enumerate(outs) if o.requires_grad]
+                ones = [torch.ones_like(outs[i]) for i in diff_out]
+                grads = torch.autograd.grad([outs[i] for i in diff_out], wrt, ones, allow_unused=True)
+                used = [g is not None for g in grads]
+                del grads
+    finally:
+        if stream is not None:
+            torch.cuda.current_stream(device).wait_stream(stream)
     if not torch.equal(rng, _rng_state(device)):
         raise ValueError(
             f"{type(module).__name__} draws random numbers (dropout?): a CUDA graph's recompute would draw other "
@@ -406,7 +412,8 @@ def graphed_checkpoint(
             _warn(state, module, f"it has had {MAX_SIGNATURES} signatures (pad packs to a few lengths)")
             return eager()
         state.graphs.pop(key, None)
-        shared = (key, tuple((tuple(p.shape), p.dtype) for p in module.parameters() if p.requires_grad))
+        trainable = tuple((tuple(p.shape), p.dtype) for p in module.parameters() if p.requires_grad)
+        shared = (key, type(module), trainable)
         statics = _shared.get(shared)
         if statics is None:
             statics = _shared[shared] = _Statics(leaves, descs)

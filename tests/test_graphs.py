@@ -172,6 +172,25 @@ def test_layers_with_hooks_run_eagerly(where):
     assert counter["graphs"] == 4
 
 
+class InPlaceBlock(Block):
+    def forward(self, x, **kwargs):
+        kwargs["rotary"].mul_(1.0)  # in place on an argument: a replay would change the static copy
+        return super().forward(x, **kwargs)
+
+
+def test_a_layer_that_modifies_its_arguments_runs_eagerly(where):
+    device, dtype, counter = where
+    blocks, embed = make_stack(device, dtype, layers=2)
+    blocks[0].__class__ = InPlaceBlock
+    expected = run(blocks, embed, [30, 34], fastft.offloaded_checkpoint)
+    with pytest.warns(RuntimeWarning, match="InPlaceBlock runs without.*modifies its tensor arguments in place"):
+        got = run(blocks, embed, [30, 34], fastft.graphed_checkpoint)
+    assert counter["graphs"] == 2  # the second layer only
+    assert_close(got[0], expected[0], dtype)
+    for a, b in zip(got[1], expected[1]):
+        assert_close(a, b, dtype)
+
+
 class SyncBlock(Block):
     def forward(self, x, **kwargs):
         if not torch.isfinite(x.sum()).item():  # a host sync: no graph can hold it
