@@ -13,7 +13,7 @@ layer's trainable parameters. Each call copies its tensors into static buffers, 
 signature share (an argument that is the unchanged tensor last copied, such as the rotary tables every
 layer gets, is not copied again), replays, and copies the outputs out. The first tensor argument is
 offloaded as ``offloaded_checkpoint`` does (``offload_config``). Parameter gradients go through autograd,
-so DDP's and users' hooks run as usual.
+so DDP's hooks and hooks on parameters run as usual.
 
 A ``PackedSeqInfo`` argument reaches the graph padded (``PackedSeqInfo.padded``): its sequence count and
 longest sequence rounded up to powers of two, so one graph serves the batches of one packed length whose
@@ -21,10 +21,11 @@ documents fall in the same buckets. Pad packs to a few lengths: each new signatu
 
 A layer that draws random numbers (dropout) is refused with ``ValueError``: the replayed recompute would
 draw other ones than the forward. ``offloaded_checkpoint`` runs the call instead, with a warning once per
-layer and reason, when the capture fails (a host sync or host-dependent work inside the layer), when an
-argument is neither a tensor, a ``PackedSeqInfo`` nor hashable, past ``MAX_SIGNATURES`` signatures of a
-layer, and with ``context_fn`` or ``debug``; and silently where no graph applies: grad disabled, no tensor
-argument, tensors off the GPU.
+layer and reason, when the capture fails (a host sync or host-dependent work inside the layer), when the
+layer modifies its tensor arguments in place, when it or a submodule has module hooks (a replay would not
+run them), when an argument is neither a tensor, a ``PackedSeqInfo`` nor hashable, past
+``MAX_SIGNATURES`` signatures of a layer, and with ``context_fn`` or ``debug``; and silently where no graph
+applies: grad disabled, no tensor argument, tensors off the GPU, nothing that requires grad.
 """
 
 from __future__ import annotations
