@@ -225,6 +225,8 @@ def _capture(module, target, spec, leaves, statics, device) -> _Graphs:
             with torch.enable_grad():
                 outs = _tensors(pytree.tree_flatten(call())[0])
                 diff_out = [i for i, o in enumerate(outs) if o.requires_grad]
+                if not diff_out:
+                    raise _CaptureError("no output of it carries a gradient")
                 ones = [torch.ones_like(outs[i]) for i in diff_out]
                 grads = torch.autograd.grad([outs[i] for i in diff_out], wrt, ones, allow_unused=True)
                 used = [g is not None for g in grads]

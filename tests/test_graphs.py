@@ -213,6 +213,23 @@ def test_a_layer_that_syncs_falls_back_and_the_others_still_capture(monkeypatch)
     assert len(state[0].graphs) == len(state[2].graphs) == 1  # captured before and after the failed one
 
 
+class DetachedBlock(Block):
+    def forward(self, x, **kwargs):
+        return super().forward(x, **kwargs).detach()  # trainable parameters, but no gradient flows out
+
+
+def test_a_layer_whose_outputs_carry_no_gradient_runs_eagerly(where):
+    device, dtype, counter = where
+    block = DetachedBlock(64, 4, torch.Generator().manual_seed(0)).to(device, dtype)
+    x = torch.randn(64, 64, device=device, dtype=dtype, requires_grad=True)
+    info = fastft.packed_seq_info(seq_lengths=[30, 34], device=device)
+    rotary = torch.ones(64, 1, 16, device=device, dtype=dtype)
+    with pytest.warns(RuntimeWarning, match="no output of it carries a gradient"):
+        y = fastft.graphed_checkpoint(block, x, info=info, rotary=rotary)
+    assert counter["graphs"] == 0 and not y.requires_grad
+    torch.testing.assert_close(y, block(x, info=info, rotary=rotary))
+
+
 def test_capture_failure_falls_back_for_good(monkeypatch):
     monkeypatch.setattr(graphs, "GRAPH_DEVICES", ("cuda", "cpu"))
 
