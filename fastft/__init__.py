@@ -16,6 +16,8 @@ if _ilu.find_spec(__name__ + ".kernels") is None:
 from . import copy, dispatch  # noqa: E402
 from .attention import packed_attention  # noqa: E402
 from .audit import AuditReport, audit  # noqa: E402  (the function shadows the submodule name)
+from .conv import packed_conv1d  # noqa: E402
+from .delta_rule import gated_delta_rule  # noqa: E402
 from .expert_parallel import moe_expert_parallel  # noqa: E402
 from .graphs import graphed_checkpoint  # noqa: E402
 from .lora import lora_linear  # noqa: E402
@@ -29,6 +31,8 @@ __all__ = [
     "document_mask_mod",
     "packed_seq_info",
     "packed_attention",
+    "packed_conv1d",
+    "gated_delta_rule",
     "dispatch",
     "MoERouting",
     "moe_route",

@@ -1,7 +1,15 @@
-"""``python -m fastft info | check | bench | tune`` (see README).
+"""fastft's command line: python -m fastft COMMAND [options] (or fastft COMMAND).
 
-On a machine without a GPU, the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1 is set
-before anything imports Triton) with small sizes, and every command says which backend ran.
+commands:
+  info    the device, versions, and the backend and autotune entry of every op
+  check   differential fuzzing: each op's Triton path against its torch reference on random inputs
+  bench   each op's baseline against fastft; with --e2e, fine-tuning steps of transformers models
+  audit   profile one e2e training step: launches, host syncs, GPU-busy fraction, per decoder layer
+  tune    measure launch parameters on this GPU and rewrite autotune_cache/<arch>.json
+
+Run python -m fastft COMMAND --help for a command's options. Without a GPU, the Triton kernels run in
+Triton's interpreter (TRITON_INTERPRET=1 is set before anything imports Triton) at small sizes, and every
+command says which backend ran.
 """
 
 from __future__ import annotations
@@ -95,7 +103,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from fastft import testing
+    from fastft import checks
 
     device = _device(args.device)
     max_tokens = args.max_tokens if args.max_tokens is not None else (2048 if device.type == "cuda" else 96)
@@ -107,7 +115,7 @@ def cmd_check(args) -> int:
     runs = failures = 0
     deadline = time.monotonic() + args.seconds
     while time.monotonic() < deadline or runs == 0:
-        for name, check in testing.CHECKS.items():
+        for name, check in checks.CHECKS.items():
             runs += 1
             try:
                 check(g, device, max_tokens)
@@ -119,17 +127,19 @@ def cmd_check(args) -> int:
 
 
 def _bench_modules(names):
-    from fastft.bench import attention, copy, lora, offload, offloader, packing, routing, transformers
+    from fastft.bench import attention, conv, copy, delta_rule, experts, lora, offload, offloader, packing, routing
 
     modules = {
         "packing": packing,
         "routing": routing,
         "attention": attention,
+        "conv": conv,
         "copy": copy,
         "offloader": offloader,
         "offload": offload,
         "lora": lora,
-        "transformers": transformers,
+        "experts": experts,
+        "delta_rule": delta_rule,
     }
     return {name: modules[name] for name in (names or modules)}
 
@@ -144,16 +154,35 @@ def _record(device, rows) -> dict:
     }
 
 
+def _check_e2e_args(args, device) -> None:
+    """Usage errors of bench --e2e (and audit) found before anything runs."""
+    from fastft.bench import e2e
+
+    for column in args.column or ():
+        why = e2e.why_not(column, device)
+        if why:
+            args.usage_error(f"--column '{column}' cannot run here: it {why}")
+    names = args.model if isinstance(args.model, list) else [args.model] if args.model else []
+    for column in args.column or ():
+        reasons = [e2e.why_not_on(column, n) for n in names]
+        if names and all(reasons):
+            args.usage_error(f"--column '{column}' {reasons[0]}, not {', '.join(names)}")
+
+
 def cmd_bench_e2e(args, device) -> int:
     from fastft.bench import e2e
 
+    _check_e2e_args(args, device)
     if args.nproc is not None:
         return cmd_bench_distributed(args, device)
-    print(e2e.describe(device, args.quick))
-    records = e2e.run(device, args.quick, args.model, args.column)
+    plan = dict(stream=args.stream, warmup=args.warmup, steps=args.steps)
+    print(e2e.describe(device, args.quick, args.column, **plan))
+    records = e2e.run(device, args.quick, args.model, args.column, **plan)
     if not records:
+        print("nothing ran", file=sys.stderr)
         return 2
     print(e2e.format_table(records))
+    print(e2e.LEGEND)
     agree = e2e.loss_check(records)
     print(agree[1])
     if args.json:
@@ -173,6 +202,15 @@ def cmd_bench_distributed(args, device) -> int:
         args.usage_error(f"--nproc runs on CUDA GPUs or CPUs, not {device.type}")
     if device.type == "cpu" and torch.cuda.is_available():
         args.usage_error("--nproc with --device cpu on a machine with GPUs: the ranks would take the GPUs")
+    if "ep" in (args.parallel or ()):  # checked before spawning: a worker would fail a minute in
+        tiny = args.quick or device.type != "cuda"
+        for name in args.model or distributed.MODELS:
+            experts = _num_experts(name, tiny)
+            if experts and experts % args.nproc:
+                args.usage_error(
+                    f"--parallel ep gives each rank an equal share of {name}'s {experts} experts"
+                    f"{' (tiny config)' if tiny else ''}: {experts} experts do not split over --nproc {args.nproc}"
+                )
     if device.type == "cuda" and torch.cuda.device_count() < args.nproc:
         args.usage_error(f"--nproc {args.nproc} needs {args.nproc} GPUs, this machine has {torch.cuda.device_count()}")
     records = distributed.run(args.nproc, args.quick, args.model, args.column, args.parallel)
@@ -187,29 +225,40 @@ def cmd_bench_distributed(args, device) -> int:
     return 0
 
 
+def _num_experts(name: str, tiny: bool) -> int:
+    """Routed experts per layer of the e2e model ``name`` as the benchmark builds it (0: dense)."""
+    from fastft.bench import e2e
+
+    try:
+        config = e2e.model_config(name, tiny)
+    except ImportError:  # no transformers: the run says so
+        return 0
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+
+
 def cmd_audit(args) -> int:
     from fastft.audit import audit
     from fastft.bench import e2e
+    from fastft.integrations.transformers import decoder_layers
 
     device = _device(args.device)
-    if args.column not in e2e.columns(device, [args.column]):
-        args.usage_error(f"--column '{args.column}' cannot run here (it needs a GPU, liger-kernel or peft)")
-    if args.column == "fastft, experts lora" and e2e.MODELS[args.model][0] not in ("Qwen3MoeConfig", "GptOssConfig"):
-        args.usage_error(f"--column 'fastft, experts lora' needs a MoE model, not {args.model}")
+    _check_e2e_args(argparse.Namespace(**{**vars(args), "column": [args.column]}), device)
     tiny = args.quick or device.type != "cuda"
-    batch, _ = e2e.make_batch(args.model, device, tiny)
+    batches = e2e.model_stream(args.model, args.stream, tiny, device)
     (model, _), restore = e2e.build(args.model, args.column, device, tiny)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
 
-    def step():
-        model(**batch).loss.backward()
+    def step():  # each call trains on the stream's next batch (padded columns: its micro-batches)
+        for inputs, weight in e2e.micro_batches(e2e.step_inputs(args.column, next(batches), args.model, tiny)):
+            loss = model(**inputs).loss
+            (loss if weight is None else loss * weight).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     try:
-        print(f"{args.model}, column '{args.column}'" + (" (tiny config)" if tiny else ""))
-        print(audit(step, model=model, steps=args.steps))
+        print(f"{args.model}, column '{args.column}', {args.stream} stream" + (" (tiny config)" if tiny else ""))
+        print(audit(step, model=model, layers=decoder_layers(model), steps=args.steps))
     finally:
         restore()
     return 0
@@ -277,15 +326,29 @@ def _prog() -> str:
     return "fastft" if os.path.basename(sys.argv[0] or "") == "fastft" else "python -m fastft"
 
 
-BENCH_FAMILIES = ("packing", "routing", "attention", "copy", "offloader", "offload", "lora", "transformers")
+BENCH_FAMILIES = (
+    "packing",
+    "routing",
+    "attention",
+    "conv",
+    "copy",
+    "offloader",
+    "offload",
+    "lora",
+    "experts",
+    "delta_rule",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from fastft.bench.distributed import MODES as DISTRIBUTED_MODES
-    from fastft.bench.e2e import COLUMNS, MODELS
+    from fastft.bench.e2e import COLUMNS, LEGEND, MODELS, STREAM_CHOICES
 
-    parser = argparse.ArgumentParser(prog=_prog(), description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{info,check,bench,audit,tune}")
+    intro, _, rest = __doc__.split("\n\n", 2)  # the commands' list is argparse's own
+    parser = argparse.ArgumentParser(
+        prog=_prog(), description=f"{intro}\n\n{rest}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True, title="commands", metavar="COMMAND")
     p = sub.add_parser("info", help="device, versions, backend and autotune entry per op")
     p.set_defaults(fn=cmd_info)
     p = sub.add_parser("check", help="differential fuzz: triton vs torch on random inputs")
@@ -295,7 +358,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens", type=_positive(int), help="largest token count drawn (default 2048 on a GPU, 96 on a CPU)"
     )
     p.set_defaults(fn=cmd_check)
-    p = sub.add_parser("bench", help="baseline vs fastft, median times and ratios")
+    p = sub.add_parser(
+        "bench",
+        help="baseline vs fastft, median times and ratios; --e2e: fine-tuning steps",
+        description="Each op's baseline against fastft (median times, speedup = baseline ms / fastft ms); with "
+        "--e2e, fine-tuning steps of transformers models, one column per stack.",
+        epilog=LEGEND,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--quick", action="store_true", help="small sizes (always on without a GPU)")
     p.add_argument("--json", help="also write the results to this file (with --e2e, a PNG chart beside it)")
     p.add_argument(
@@ -314,6 +384,24 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(COLUMNS),
         metavar="NAME",
         help="with --e2e: only this column (repeatable); one of " + ", ".join(f"'{c}'" for c in COLUMNS),
+    )
+    p.add_argument(
+        "--stream",
+        choices=list(STREAM_CHOICES),
+        help="with --e2e: how the stream of fresh batches packs its rows: fixed (exactly the token budget), "
+        "padding-free (whole documents: the token count changes every step; the default) or both",
+    )
+    p.add_argument(
+        "--warmup",
+        type=_positive(int),
+        metavar="W",
+        help="with --e2e: first steps per column, timed apart (default 3; 1 with tiny configs)",
+    )
+    p.add_argument(
+        "--steps",
+        type=_positive(int),
+        metavar="N",
+        help="with --e2e: timed steps per column after the first ones (default 20; 2 with tiny configs)",
     )
     p.add_argument(
         "--nproc",
@@ -342,6 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the stack to build (an e2e column, default 'fastft'); one of " + ", ".join(f"'{c}'" for c in COLUMNS),
     )
     p.add_argument("--steps", type=_positive(int), default=3, help="profiled steps, after one warm-up (default 3)")
+    p.add_argument(
+        "--stream",
+        choices=list(STREAM_CHOICES[:-1]),
+        default="padding-free",
+        help="the e2e stream each step draws its batch from: fixed or padding-free (default)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny config (always on without a GPU)")
     p.set_defaults(fn=cmd_audit, usage_error=p.error)
     p = sub.add_parser("tune", help="measure launch parameters and rewrite autotune_cache/<arch>.json")
@@ -369,8 +463,17 @@ def main(argv=None) -> int:
         args.usage_error("--parallel is taken with --nproc only")
     if args.cmd == "bench" and not args.e2e and args.nproc is not None:
         args.usage_error("--nproc is taken with --e2e only")
+    for option in ("stream", "warmup", "steps"):
+        if args.cmd == "bench" and getattr(args, option) is not None and (not args.e2e or args.nproc is not None):
+            args.usage_error(f"--{option} is taken with --e2e only (not with --nproc)")
     if args.cmd == "bench" and args.e2e and args.only:
         args.usage_error("--only selects op benchmarks; it is not taken with --e2e")
+    if args.cmd == "bench" and args.json:  # checked now: a failed write would lose the whole run's results
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            args.usage_error(f"--json {args.json}: the folder {folder} does not exist")
+        if os.path.isdir(args.json) or not os.access(folder, os.W_OK):
+            args.usage_error(f"--json {args.json}: not a file this user can write")
     return args.fn(args)
 
 

@@ -23,6 +23,13 @@ def int_arg(name: str, value, *, minimum: int | None = None) -> int:
     return int(value)
 
 
+def bool_arg(name: str, value) -> bool:
+    """``value`` itself: ``TypeError`` unless it is a bool (a truthy string is not ``True``)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def number_arg(name: str, value) -> float:
     """``value`` as a float: ``TypeError`` unless it is a real number (bools are not)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):

@@ -14,7 +14,9 @@ column per head when ``sinks`` is given). Two implementations:
   reference's fp32 masked softmax when there are sinks. Memory grows with T squared: for CPUs, short
   sequences, and fp32.
 
-``backend=None`` (or ``"auto"``) takes ``flash`` where it runs, else ``dense``.
+``impl=None`` (or ``"auto"``) takes ``flash`` where it runs, else ``dense``. (``impl``, not ``backend``: a
+dispatch backend picks Triton or torch for one op; these are two torch implementations.) ``flash_op`` and
+``flash_reason`` are the op layer, for the benchmarks: not public.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from .packing import PackedSeqInfo
 from .reference import attention as reference
 from .reference import packing as reference_packing
 
-BACKENDS = ("auto", "flash", "dense")
+__all__ = ["packed_attention"]
+
+IMPLS = ("auto", "flash", "dense")  # packed_attention's impl= choices
 
 
 @functools.cache
@@ -167,12 +171,18 @@ def _dense(q, k, v, info, window, sinks, scale, dropout_p):
     return out.reshape(b, t, *out.shape[2:]).contiguous()
 
 
-def _check(q, k, v, info, window, sinks, scale, dropout_p, backend) -> None:
+def _check_tensors(q, k, v) -> None:
+    """What autocast needs of q, k, v before it casts them."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be floating point, got {t.dtype}")
+        if t.is_meta:
+            raise ValueError(f"{name} must hold data (a CPU or CUDA tensor), got a meta tensor")
+
+
+def _check(q, k, v, info, window, sinks, scale, dropout_p, impl) -> None:
     if q.dim() not in (3, 4):
         raise ValueError(f"q must be [B, T, H, D] or [T, H, D], got shape {tuple(q.shape)}")
     if k.shape != v.shape or k.dim() != q.dim() or k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
@@ -180,6 +190,8 @@ def _check(q, k, v, info, window, sinks, scale, dropout_p, backend) -> None:
             f"k and v must be [..., T, H_kv, D] matching q's tokens and head dim: q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
+    if q.shape[-1] < 1:
+        raise ValueError(f"q, k and v must have a head dim D >= 1, got shape {tuple(q.shape)}")
     if k.shape[-2] < 1 or q.shape[-2] % k.shape[-2]:
         raise ValueError(f"q's {q.shape[-2]} heads must be a multiple of k/v's {k.shape[-2]} (grouped-query attention)")
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -208,8 +220,8 @@ def _check(q, k, v, info, window, sinks, scale, dropout_p, backend) -> None:
         number_arg("scale", scale)
     if not 0 <= number_arg("dropout_p", dropout_p) < 1:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
 
 
 def packed_attention(
@@ -222,7 +234,7 @@ def packed_attention(
     sinks: torch.Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    backend: str | None = None,
+    impl: str | None = None,
 ) -> torch.Tensor:
     """Causal attention inside each document of ``info``; returns q's shape, ``[B, T, H, D]`` (or ``[T, H, D]``).
 
@@ -230,27 +242,27 @@ def packed_attention(
     ``info`` describes these ``B * T`` tokens (``packed_seq_info``). ``window``: keys a query sees,
     itself included (``None`` or <= 0: all earlier keys of its document). ``sinks``: ``[H]`` logits of a
     per-head sink (gpt-oss). ``scale``: default ``D ** -0.5``. ``dropout_p``: on the attention
-    probabilities (dense path only). ``backend``: ``None``/``"auto"``, ``"flash"`` (``ValueError`` where it
+    probabilities (dense path only). ``impl``: ``None``/``"auto"``, ``"flash"`` (``ValueError`` where it
     cannot run, saying why) or ``"dense"``. Differentiable in q, k, v and sinks.
 
     Under ``torch.autocast``, q, k and v are cast to its dtype first, as ``scaled_dot_product_attention`` is
     (mixed-precision training hands attention fp32 rotated q/k beside a low-precision v); outside it they
     must share a dtype.
     """
-    if all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (q, k, v)):
-        device_type = q.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            q, k, v = (t.to(dtype) for t in (q, k, v))
-    _check(q, k, v, info, window, sinks, scale, dropout_p, backend)
+    _check_tensors(q, k, v)
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+    _check(q, k, v, info, window, sinks, scale, dropout_p, impl)
     window = window if window and window > 0 else None
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
     flat = q.dim() == 3
     if flat:
         q, k, v = q[None], k[None], v[None]
-    why_not = flash_reason(q, k, sinks, dropout_p, window) if backend != "dense" else "dense was asked for"
-    if backend == "flash" and why_not:
-        raise ValueError(f"backend='flash' cannot run this call: {why_not}")
+    why_not = flash_reason(q, k, sinks, dropout_p, window) if impl != "dense" else "dense was asked for"
+    if impl == "flash" and why_not:
+        raise ValueError(f"impl='flash' cannot run this call: {why_not}")
     if why_not is None:
         b, t, h, d = q.shape
         flat_qkv = (x.reshape(b * t, x.shape[2], d) for x in (q, k, v))

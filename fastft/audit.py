@@ -1,15 +1,16 @@
 """``fastft.audit(step)``: where a training step's time goes between the kernels.
 
-    report = fastft.audit(lambda: model(**batch).loss.backward(), model=model)
+    report = fastft.audit(lambda: model(**batch).loss.backward(), model=model, layers=model.model.layers)
     print(report)
 
 Runs ``step`` under ``torch.profiler`` (after ``warmup`` unprofiled calls) and reports, per step: wall time,
 kernel time and the GPU-busy fraction (the union of kernel intervals over the wall time), work
 submissions ("launches": kernel launches, copies and memsets on CUDA; top-level aten calls on a CPU, where
 nothing is launched), host syncs and the aten op each came from, and the top launch sources: the innermost
-module class for forward work (recompute included), the autograd node for backward work. With ``model``,
-each decoder layer gets its own row (forward and recompute: backward work runs outside any module).
-``python -m fastft audit`` does this for the end-to-end benchmark's step.
+module class for forward work (recompute included), the autograd node for backward work. Each module of
+``layers`` (a model's decoder layers) gets its own row (forward and recompute: backward work runs outside
+any module). ``python -m fastft audit`` does this for the end-to-end benchmark's step, its decoder layers
+found by the transformers integration: this module knows no model library.
 """
 
 from __future__ import annotations
@@ -67,24 +68,17 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def decoder_layers(model) -> list:
-    """The repeated decoder layers of a transformers model (PEFT-wrapped or not): its checkpointable layers."""
-    try:
-        from transformers import GradientCheckpointingLayer
-    except ImportError:
-        return []
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
 class _Ranges:
-    """Forward hooks that put each module call (and each decoder layer) in a profiler range."""
+    """Forward hooks that put each module call of ``model`` and each of ``layers`` in a profiler range."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, layers: list) -> None:
         self.handles, self.open = [], collections.defaultdict(list)
-        layers = {id(m): i for i, m in enumerate(decoder_layers(model))} if model is not None else {}
-        for module in model.modules() if model is not None else ():
+        index = {id(m): i for i, m in enumerate(layers)}
+        modules = list(model.modules()) if model is not None else []
+        hooked = {id(m) for m in modules}
+        for module in modules + [m for m in layers if id(m) not in hooked]:
             name = _MODULE + type(module).__name__
-            names = [name] + ([_LAYER + str(layers[id(module)])] if id(module) in layers else [])
+            names = [name] + ([_LAYER + str(index[id(module)])] if id(module) in index else [])
             self.handles.append(module.register_forward_pre_hook(self._enter(names)))
             self.handles.append(module.register_forward_hook(self._exit(names), always_call=True))
 
@@ -127,6 +121,24 @@ def _source(event) -> str:
     return "outside any module"
 
 
+def _layers_arg(layers) -> list:
+    """``layers`` as a list of distinct modules (``TypeError``/``ValueError`` naming ``layers``)."""
+    if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
+        raise TypeError(
+            f"layers must be an iterable of torch.nn.Module (e.g. a ModuleList), got {type(layers).__name__}"
+        )
+    try:
+        layers = list(layers)
+    except TypeError:
+        raise TypeError(f"layers must be an iterable of torch.nn.Module, got {type(layers).__name__}") from None
+    for i, m in enumerate(layers):
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"layers[{i}] must be a torch.nn.Module, got {type(m).__name__}")
+    if len({id(m) for m in layers}) != len(layers):
+        raise ValueError("layers must not hold the same module twice")
+    return layers
+
+
 def _union_ms(intervals) -> float:
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
@@ -136,17 +148,20 @@ def _union_ms(intervals) -> float:
     return total / 1000
 
 
-def audit(step, *, model=None, steps: int = 3, warmup: int = 1, top: int = 10) -> AuditReport:
+def audit(step, *, model=None, layers=(), steps: int = 3, warmup: int = 1, top: int = 10) -> AuditReport:
     """Profile ``step()`` (a callable running one training step) ``steps`` times after ``warmup`` calls; see
-    the module docstring. ``model``: the model ``step`` trains, for per-module sources and per-layer rows.
-    ``TypeError`` for a non-callable ``step``, a ``model`` that is not an ``nn.Module``, or non-int counts;
-    ``ValueError`` for ``steps`` or ``top`` below 1 or a negative ``warmup``."""
+    the module docstring. ``model``: the model ``step`` trains, for per-module sources; ``layers``: modules
+    (its decoder layers, e.g. ``model.model.layers``) that each get a row. ``TypeError`` for a non-callable
+    ``step``, a ``model`` that is not an ``nn.Module``, ``layers`` that is not an iterable of them, or non-int
+    counts; ``ValueError`` for a module repeated in ``layers``, ``steps`` or ``top`` below 1 or a negative
+    ``warmup``."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     if not callable(step):
         raise TypeError(f"step must be a callable running one training step, got {type(step).__name__}")
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    layers = _layers_arg(layers)
     for name, value, low in (("steps", steps, 1), ("warmup", warmup, 0), ("top", top, 1)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -157,7 +172,7 @@ def audit(step, *, model=None, steps: int = 3, warmup: int = 1, top: int = 10) -
         step()
     if cuda:
         torch.cuda.synchronize()
-    ranges = _Ranges(model)
+    ranges = _Ranges(model, layers)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     try:
         with profile(activities=activities) as prof:
@@ -210,7 +225,7 @@ def audit(step, *, model=None, steps: int = 3, warmup: int = 1, top: int = 10) -
         next((p.name for p in _ancestors(e) if p.name.startswith(_LAYER)), None) for e in submits
     )
     layer_rows = []
-    for i in range(len(decoder_layers(model)) if model is not None else 0):
+    for i in range(len(layers)):
         spans = [e for e in events if e.name == f"{_LAYER}{i}"]
         host = sum(e.time_range.end - e.time_range.start for e in spans) / 1000
         kernel = sum(getattr(e, "device_time_total", 0.0) for e in spans) / 1000 if cuda else None

@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 
 from . import capabilities
+from .kernels._launch import next_power_of_2
+
+__all__ = ["lookup", "params", "cache_dir", "cache_path"]
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -63,8 +66,7 @@ def cache_path(arch: str) -> Path:
     return cache_dir() / f"{arch.replace(':', '_')}.json"
 
 
-def bucket(size: int) -> int:
-    return 1 << max(0, int(size) - 1).bit_length()
+bucket = next_power_of_2  # a size's bucket: the size rounded up to a power of two
 
 
 @functools.cache

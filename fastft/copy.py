@@ -16,6 +16,8 @@ import torch
 from . import autotune, dispatch
 from .reference import copy as reference
 
+__all__ = ["pack", "unpack", "PackLayout", "PackEntry"]
+
 OP_PACK = dispatch.register("copy.pack")
 OP_UNPACK = dispatch.register("copy.unpack")
 # No grid: one flat copy loop, bandwidth-bound at the defaults.

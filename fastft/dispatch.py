@@ -18,6 +18,8 @@ import torch
 
 from .capabilities import TRITON_AVAILABLE, arch, interpreting
 
+__all__ = ["backend_for", "requested_backend"]
+
 BACKENDS = ("auto", "triton", "torch")
 
 # CUDA architectures fastft's Triton kernels are built and tested for (Ampere, Ada, Hopper, Blackwell).

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from ._checks import int_arg
 from .routing import moe_permute, moe_route, moe_unpermute
 
+__all__ = ["moe_expert_parallel"]
+
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
     import torch.distributed as dist
@@ -75,12 +77,20 @@ def moe_expert_parallel(
     ``hidden`` ``[T, H]`` and ``topk_ids``/``topk_weights`` ``[T, K]`` are this rank's tokens, with global
     expert ids; ids outside ``[0, num_experts)`` contribute nothing. ``local_experts(rows, ids)`` gets the
     ``[N, H]`` rows sent to this rank and ``ids`` ``[N, 1]`` int64, the local expert (``0 <= id < E/W``) of
-    each, and returns ``[N, H_out]`` (e.g. ``routed_experts`` of the transformers integration with the local
-    expert weights). Every rank of ``group`` must call it, in the same order (it is a collective)."""
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
-        raise ValueError(f"hidden must be a [T, H] tensor, got {getattr(hidden, 'shape', type(hidden).__name__)}")
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
-        raise ValueError(f"topk_ids must be [T={hidden.shape[0]}, K], got {getattr(topk_ids, 'shape', None)}")
+    each, and returns ``[N, H_out]`` floating (e.g. ``fastft.experts.routed_experts`` with the local expert
+    weights). Every rank of ``group`` must call it, in the same order (it is a collective).
+
+    ``TypeError`` for a non-tensor ``hidden``/``topk_ids``, a ``local_experts`` that is not callable or
+    returns other than a floating tensor; ``ValueError`` for wrong shapes, ``num_experts`` < 1 or not
+    divisible by the group's size, or torch.distributed not set up (``group_rank_size``)."""
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"hidden must be a [T, H] tensor, got {type(hidden).__name__}")
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be a [T, H] tensor, got shape {tuple(hidden.shape)}")
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"topk_ids must be a [T, K] tensor, got {type(topk_ids).__name__}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"topk_ids must be [T={hidden.shape[0]}, K], got {tuple(topk_ids.shape)}")
     if not callable(local_experts):
         raise TypeError(f"local_experts must be callable, got {type(local_experts).__name__}")
     num_experts = int_arg("num_experts", num_experts, minimum=1)
@@ -99,10 +109,11 @@ def moe_expert_parallel(
     ids = torch.arange(local, device=hidden.device).repeat(world)
     ids = torch.repeat_interleave(ids, counts.long(), output_size=sum(recv))[:, None]
     out = local_experts(received, ids)
-    if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != received.shape[0]:
-        raise ValueError(
-            f"local_experts must return [N={received.shape[0]}, H_out], got {getattr(out, 'shape', type(out))}"
-        )
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+        what = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TypeError(f"local_experts must return a floating-point [N, H_out] tensor (its rows' outputs), got {what}")
+    if out.dim() != 2 or out.shape[0] != received.shape[0]:
+        raise ValueError(f"local_experts must return [N={received.shape[0]}, H_out], got {tuple(out.shape)}")
     back = _AllToAll.apply(out, recv, send, group)
     back = F.pad(back, (0, 0, 0, routing.capacity - back.shape[0]))  # unrouted slots: zero rows
     return moe_unpermute(back, routing, topk_weights)

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 from ._checks import number_arg
 
+__all__ = ["lora_linear"]
+
 
 class _LoRALinear(torch.autograd.Function):
     @staticmethod
@@ -71,6 +73,8 @@ def lora_linear(
 
     ``x``: ``[..., in]`` floating; ``weight``: ``[out, in]`` frozen, ``x``'s dtype; ``bias``: ``[out]`` frozen
     or None; ``lora_a``: ``[r, in]``; ``lora_b``: ``[out, r]``; ``scaling``: a Python number. All on one device.
+    ``TypeError`` for a non-tensor, non-floating tensor, dtype mismatch or non-number ``scaling``; ``ValueError``
+    for mismatched shapes, zero ``in`` or ``out`` features, tensors on several devices or a base that requires grad.
     """
     for name, t in (("x", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)) + (
         (("bias", bias),) if bias is not None else ()
@@ -88,6 +92,8 @@ def lora_linear(
             f"lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}, x {tuple(x.shape)}"
         )
     out_features, in_features = weight.shape
+    if not in_features or not out_features:
+        raise ValueError(f"weight must be [out, in] with out, in >= 1, got {tuple(weight.shape)}")
     rank = lora_a.shape[0]
     if x.shape[-1] != in_features or lora_a.shape[1] != in_features:
         raise ValueError(

@@ -5,7 +5,7 @@
     #    except that x (the first positional tensor) waits for backward in pinned host memory
 
 How: torch's non-reentrant checkpoint saves its inputs for the recomputation; a saved-tensor hook around
-it sends ``x`` to the host on a side stream (``fastft.copy.Offloader``) and, when backward needs it, copies
+it sends ``x`` to the host on a side stream (``fastft.offloader.Offloader``) and, when backward needs it, copies
 it back into one of two GPU buffers. When layer ``i``'s backward starts, the reload of the previous
 checkpoint in forward order (the next one backward needs) is issued into the other buffer, so that copy
 runs while layer ``i`` recomputes and back-propagates. Recomputation, RNG state and gradients are
@@ -27,6 +27,14 @@ import torch.utils.checkpoint
 
 from ._checks import int_arg
 from .offloader import Offloader
+
+__all__ = [
+    "OffloadConfig",
+    "offloaded_checkpoint",
+    "offloader_for",
+    "check_offload_config",
+    "gradient_checkpointing_func",
+]
 
 _CHOICES = ("auto", True, False)
 _DEFAULT_MIN_BYTES = 1 << 20
@@ -84,6 +92,13 @@ class OffloadConfig:
         return ("auto" if enabled is None else enabled), ("auto" if double is None else double), min_bytes
 
 
+def check_offload_config(value, name: str = "offload_config") -> OffloadConfig | None:
+    """``value`` if it is an ``OffloadConfig`` or None, else ``TypeError`` naming the argument ``name``."""
+    if value is not None and not isinstance(value, OffloadConfig):
+        raise TypeError(f"{name} must be a fastft.OffloadConfig or None, got {type(value).__name__}")
+    return value
+
+
 _offloaders: dict = {}  # (device index, number of GPU buffers) -> Offloader
 
 
@@ -94,8 +109,7 @@ def _unified_memory(device: torch.device) -> bool:
 def offloader_for(x, config: OffloadConfig | None = None) -> Offloader | None:
     """The ``Offloader`` that ``offloaded_checkpoint`` would use for layer input ``x``, or None when it
     would checkpoint without offloading."""
-    if config is not None and not isinstance(config, OffloadConfig):
-        raise TypeError(f"offload_config must be a fastft.OffloadConfig or None, got {type(config).__name__}")
+    check_offload_config(config)
     enabled, double, min_bytes = (config or OffloadConfig()).resolve()
     if enabled is False or not isinstance(x, torch.Tensor) or x.device.type != "cuda":
         return None
@@ -149,8 +163,7 @@ def offloaded_checkpoint(
     """
     if use_reentrant:
         raise ValueError("offloaded_checkpoint is non-reentrant; use_reentrant must be False or None")
-    if offload_config is not None and not isinstance(offload_config, OffloadConfig):
-        raise TypeError(f"offload_config must be a fastft.OffloadConfig or None, got {type(offload_config).__name__}")
+    check_offload_config(offload_config)
     options = dict(
         use_reentrant=False, preserve_rng_state=preserve_rng_state, determinism_check=determinism_check, debug=debug
     )

@@ -23,6 +23,8 @@ import torch
 from ._checks import int_arg
 from .copy import ALIGN, PackLayout, dense, pack, unpack
 
+__all__ = ["Offloader", "PinnedPool", "HostCopy", "Reload"]
+
 # ---- host memory ------------------------------------------------------------------------------------------
 
 

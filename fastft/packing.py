@@ -217,7 +217,8 @@ class PackedSeqInfo:
             elif name in ("doc_ids", "position_ids"):
                 backend = dispatch.backend_for(OP_FROM_CU_SEQLENS, self.device, self._backend)
                 doc, pos = from_cu_seqlens_op(self._memo["cu_seqlens"], self.num_tokens, backend)
-                self._memo.update(doc_ids=doc, position_ids=pos)
+                shape = self._memo.get("ids_shape", (self.num_tokens,))
+                self._memo.update(doc_ids=doc.view(shape), position_ids=pos.view(shape))
             else:
                 self._host_boundaries()
         return self._memo[name]
@@ -238,10 +239,15 @@ class PackedSeqInfo:
         sequence). ``out``: an int32 ``[num_seqs + 1]`` tensor on ``device`` to write ``cu_seqlens`` into,
         which the result reads; ``fill=False``: ``out`` holds them already (a CUDA graph's static input), no
         kernel runs. Its ``seq_lengths``, ``doc_ids`` and ``position_ids`` are derived from ``cu_seqlens``
-        when first read. Reads ``num_seqs``/``max_seqlen`` (one sync for device position ids, as they cost
-        anyway)."""
+        when first read, in this info's layout (``[B, T]`` for ``[B, T]`` position ids). Reads
+        ``num_seqs``/``max_seqlen`` (one sync for device position ids, as they cost anyway).
+        ``num_seqs`` is at most ``num_tokens`` (more sequences would only lengthen ``cu_seqlens``)."""
         int_arg("num_seqs", num_seqs, minimum=0)
         int_arg("max_seqlen", max_seqlen, minimum=0)
+        if not isinstance(fill, bool):
+            raise TypeError(f"fill must be True or False, got {type(fill).__name__} {fill!r}")
+        if num_seqs > self.num_tokens:
+            raise ValueError(f"num_seqs={num_seqs} is more than this batch's {self.num_tokens} tokens")
         if num_seqs < self.num_seqs:
             raise ValueError(f"num_seqs={num_seqs} is less than this batch's {self.num_seqs} sequences")
         if not self.max_seqlen <= max_seqlen <= self.num_tokens:
@@ -264,10 +270,14 @@ class PackedSeqInfo:
             n = self.num_seqs
             out[: n + 1].copy_(self.cu_seqlens)
             out[n + 1 :].fill_(self.num_tokens)
-        memo = {"cu_seqlens": out, "max_seqlen": max_seqlen, "num_seqs": num_seqs}
+        memo = {"cu_seqlens": out, "max_seqlen": max_seqlen, "num_seqs": num_seqs, "ids_shape": self._ids_shape()}
         return PackedSeqInfo(
             num_tokens=self.num_tokens, device=self.device, shape=self._shape, backend=self._backend, memo=memo
         )
+
+    def _ids_shape(self) -> tuple:
+        """The shape of ``doc_ids``/``position_ids``: ``[B, T]`` position ids' own, else ``[T]``."""
+        return tuple(self._memo.get("ids_shape", (self.num_tokens,)))
 
     def _doc_rows(self) -> torch.Tensor:
         return self.doc_ids.reshape(self._shape)
@@ -414,7 +424,7 @@ def _from_host_cu(cu: torch.Tensor, num_tokens, max_seqlen, device, backend, arg
     if cu.numel() == 0 or cu[0] != 0:
         raise ValueError(f"{arg} must start at 0")
     lengths = cu[1:] - cu[:-1]
-    if (lengths < 0).any():
+    if (cu < 0).any() or (lengths < 0).any():  # from 0 and never negative: the differences do not wrap
         raise ValueError(f"{arg} must be non-decreasing")
     total = int(cu[-1])
     if num_tokens is None:
@@ -456,10 +466,11 @@ def from_position_ids(position_ids: torch.Tensor, device, backend) -> PackedSeqI
             "num_seqs": 0,
             "doc_ids": pos.new_empty(pos.shape, dtype=torch.int32),
             "position_ids": pos.new_empty(pos.shape, dtype=torch.int64),
+            "ids_shape": tuple(pos.shape),
         }
         return PackedSeqInfo(num_tokens=0, device=device, shape=shape, backend=backend, memo=memo)
     doc, out_pos, starts, summary = boundaries_op(pos, dispatch.backend_for(OP_BOUNDARIES, device, backend))
-    memo = {"doc_ids": doc, "position_ids": out_pos}
+    memo = {"doc_ids": doc, "position_ids": out_pos, "ids_shape": tuple(pos.shape)}
     return PackedSeqInfo(
         num_tokens=n, device=device, shape=shape, backend=backend, memo=memo, pending=(starts, summary)
     )
@@ -564,6 +575,8 @@ def packed_seq_info(
         lengths = _host_ints("seq_lengths", value if tensor else ints)
         if (lengths < 0).any():
             raise ValueError("seq_lengths must be non-negative")
+        if (lengths > _INT32_MAX).any():  # each fits int32, so their int64 sum cannot wrap
+            raise ValueError(f"seq_lengths holds {int(lengths.max())}; cu_seqlens is int32, so at most {_INT32_MAX}")
         cu = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
         info = _from_host_cu(cu, num_tokens, None, device, backend, "seq_lengths")
     else:

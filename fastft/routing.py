@@ -29,6 +29,9 @@ from ._checks import int_arg
 from ._custom_op import custom_op
 from .reference import routing as reference
 
+# the user verbs; the *_op layer below stays importable for the tests and benchmarks
+__all__ = ["MoERouting", "moe_route", "moe_permute", "moe_unpermute", "moe_expert_rows"]
+
 OP_ROUTE = dispatch.register("routing.route")
 OP_PERMUTE = dispatch.register("routing.permute")
 OP_UNPERMUTE = dispatch.register("routing.unpermute")

@@ -23,8 +23,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 def next_power_of_2(n: int) -> int:
-    """Host-side smallest power of 2 >= n (1 for n <= 1)."""
-    return 1 << max(n - 1, 0).bit_length()
+    """Host-side smallest power of 2 >= n (1 for n <= 1): fastft's one power-of-two rounding (autotune's
+    size buckets and the CUDA-graph bounds use it too)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 _I32, _I64 = 2**31, 2**63

@@ -66,9 +66,7 @@ def test_dense_path_matches_reference_with_gradients(batch, window, sinks, rng):
     q, k, v, positions, s = random_case(rng, lengths, batch=batch, sinks=sinks)
     info = fastft.packed_seq_info(position_ids=positions)
     doc = info.doc_ids
-    got = grads(
-        lambda *t: fastft.packed_attention(*t[:3], info, window=window, sinks=t[3], backend="dense"), q, k, v, s
-    )
+    got = grads(lambda *t: fastft.packed_attention(*t[:3], info, window=window, sinks=t[3], impl="dense"), q, k, v, s)
     want = grads(lambda *t: reference.packed_attention(*t[:3], doc, window or 0, t[3], 16**-0.5), q, k, v, s)
     for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
         if b is not None:
@@ -83,7 +81,7 @@ def test_unbatched_and_flattened_layouts(rng):
     # Lengths over the flattened stream: a document may cross the row boundary of q's [B, T] layout.
     q2, k2, v2 = (x.reshape(2, 5, *x.shape[2:]) for x in (q, k, v))
     info = fastft.packed_seq_info(seq_lengths=[3, 5, 2])
-    got = fastft.packed_attention(q2, k2, v2, info, backend="dense")
+    got = fastft.packed_attention(q2, k2, v2, info, impl="dense")
     torch.testing.assert_close(got.reshape(1, 10, *got.shape[2:]), out[None], atol=1e-6, rtol=1e-6)
 
 
@@ -135,11 +133,14 @@ def test_bad_input():
         ((q, k, v, info), {"sinks": torch.zeros(4, dtype=torch.long)}, TypeError, "sinks must be a floating tensor"),
         ((q, k, v, info), {"scale": "x"}, TypeError, "scale must be a number"),
         ((q, k, v, info), {"dropout_p": 1.0}, ValueError, r"dropout_p must be in \[0, 1\)"),
-        ((q, k, v, info), {"backend": "triton"}, ValueError, "backend must be one of"),
+        ((q, k, v, info), {"impl": "triton"}, ValueError, "impl must be one of"),
+        ((q[..., :0], k[..., :0], v[..., :0], info), {}, ValueError, "head dim D >= 1, got shape"),
+        ((q.to("meta"), k, v, info), {}, ValueError, "q must hold data .* got a meta tensor"),
+        ((q, k, v.to("meta"), info), {}, ValueError, "v must hold data .* got a meta tensor"),
     ]
     if not GPU:
         cases.append(
-            ((q, k, v, info), {"backend": "flash"}, ValueError, "backend='flash' cannot run this call: it needs CUDA")
+            ((q, k, v, info), {"impl": "flash"}, ValueError, "impl='flash' cannot run this call: it needs CUDA")
         )
     for args, kwargs, error, match in cases:
         with pytest.raises(error, match=match):
@@ -154,7 +155,7 @@ def test_flash_path_matches_reference_on_gpu(window, sinks, rng):
     q, k, v, positions, s = random_case(rng, lengths, batch=2, heads=8, kv_heads=2, dim=64, sinks=sinks, device="cuda")
     info = fastft.packed_seq_info(position_ids=positions)
     bf16 = [None if x is None else x.bfloat16() for x in (q, k, v, s)]
-    got = grads(lambda *t: fastft.packed_attention(*t[:3], info, window=window, sinks=t[3], backend="flash"), *bf16)
+    got = grads(lambda *t: fastft.packed_attention(*t[:3], info, window=window, sinks=t[3], impl="flash"), *bf16)
     want = grads(lambda *t: reference.packed_attention(*t[:3], info.doc_ids, window or 0, t[3], 0.125), q, k, v, s)
     for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
         if b is not None:

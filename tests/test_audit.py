@@ -36,7 +36,7 @@ def test_layers_and_sources_of_a_packed_training_step():
     collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)  # host lengths: no sync
     batch = collate([{"input_ids": ids[0, :15].tolist()}, {"input_ids": ids[0, 15:].tolist()}])
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    report = audit(lambda: model(**batch).loss.backward(), model=model, steps=2)
+    report = audit(lambda: model(**batch).loss.backward(), model=model, layers=model.model.layers, steps=2)
     assert [row["layer"] for row in report.layers] == [0, 1]
     first, second = report.layers
     assert first["launches"] == second["launches"] > 0  # identical layers, forward and recompute
@@ -66,7 +66,30 @@ def test_bad_arguments():
         audit(lambda: None, warmup=1.0)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         audit(lambda: None, model="llama")
+    with pytest.raises(TypeError, match="layers must be an iterable of torch.nn.Module"):
+        audit(lambda: None, layers=torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"layers\[1\] must be a torch.nn.Module, got str"):
+        audit(lambda: None, layers=[torch.nn.Linear(2, 2), "layer"])
+    layer = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="layers must not hold the same module twice"):
+        audit(lambda: None, layers=[layer, layer])
     assert fastft.audit is audit
+
+
+def test_layers_without_a_model_get_their_rows():
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+    x = torch.randn(3, 4)
+    report = audit(lambda: layers[1](layers[0](x)).sum(), layers=layers, steps=2, warmup=0)
+    assert [row["layer"] for row in report.layers] == [0, 1]
+    if not GPU:
+        assert [row["launches"] for row in report.layers] == [1, 1]  # one aten::linear each
+        assert dict(report.top_sources) == {"Linear": 2, "outside any module": 1}
+
+
+def test_importing_audit_does_not_import_transformers():
+    code = "import sys, fastft.audit; assert 'transformers' not in sys.modules, 'transformers was imported'"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
 
 
 def test_cli_audits_the_e2e_step():
@@ -76,5 +99,6 @@ def test_cli_audits_the_e2e_step():
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "top launch sources:" in out.stdout and "layer   1:" in out.stdout
+    assert "Llama-3.2-1B, column 'fastft', padding-free stream (tiny config)" in out.stdout  # a fresh batch a step
     out = subprocess.run(cmd + ["--column", "fastft, experts lora"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert out.returncode == 2 and "needs a MoE model" in out.stderr and "Traceback" not in out.stderr

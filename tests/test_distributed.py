@@ -20,7 +20,7 @@ if not dist.is_available():
 import torch.multiprocessing as mp  # noqa: E402
 
 from fastft.offload import offloader_for  # noqa: E402
-from fastft.testing import exit_spawned_worker  # noqa: E402
+from fastft.spawn import exit_spawned_worker  # noqa: E402
 
 BACKEND = os.environ.get("FASTFT_DIST_BACKEND", "gloo")
 WORLD = int(os.environ.get("FASTFT_DIST_WORLD", "2"))
@@ -107,7 +107,7 @@ def worker(rank, init, out, family, wrap, lora, path):
             else:
                 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-                from fastft.audit import decoder_layers
+                from fastft.integrations.transformers import decoder_layers
 
                 for n, p in model.named_parameters():  # PEFT keeps adapters fp32 beside bf16 base weights
                     assert p.dtype == (torch.float32 if "lora_" in n else dtype), (n, p.dtype)
@@ -218,7 +218,7 @@ def unignored_worker(rank, init):
         from torch.distributed.fsdp import fully_shard
 
         import fastft.integrations.transformers as ft_hf
-        from fastft.audit import decoder_layers
+        from fastft.integrations.transformers import decoder_layers
 
         model = ft_hf.use_expert_parallel(build("qwen3_moe", False, rank))
         for layer in decoder_layers(model):

@@ -16,7 +16,7 @@ if not dist.is_available():
 
 import torch.multiprocessing as mp  # noqa: E402
 
-from fastft.testing import exit_spawned_worker  # noqa: E402
+from fastft.spawn import exit_spawned_worker  # noqa: E402
 
 BACKEND = os.environ.get("FASTFT_DIST_BACKEND", "gloo")
 WORLD = int(os.environ.get("FASTFT_DIST_WORLD", "2"))
@@ -73,6 +73,10 @@ def worker(rank, init, out, seed):
         if WORLD > 1:  # checked before any collective
             with pytest.raises(ValueError, match="divisible"):
                 fastft.moe_expert_parallel(hidden, ids, weights, lambda r, i: r, num_experts=LOCAL * WORLD + 1)
+            with pytest.raises(TypeError, match="local_experts must return a floating-point"):  # on every rank
+                fastft.moe_expert_parallel(
+                    hidden, ids, weights, lambda r, i: i.expand(-1, H), num_experts=LOCAL * WORLD
+                )
             first = dist.new_group([0])  # every rank takes part in making it; rank 0 alone is in it
             if rank > 0:
                 with pytest.raises(ValueError, match="not a member"):
@@ -132,3 +136,13 @@ def test_needs_a_process_group():
         pytest.skip("a process group is set up in this process")
     with pytest.raises(ValueError, match="init_process_group"):
         fastft.moe_expert_parallel(x, ids, torch.ones(4, K), lambda r, i: r, num_experts=4)
+
+
+def test_argument_types_are_checked_first():
+    x, ids, w = torch.randn(4, H), torch.zeros(4, K, dtype=torch.long), torch.ones(4, K)
+    with pytest.raises(TypeError, match="hidden must be a .* tensor, got list"):
+        fastft.moe_expert_parallel(x.tolist(), ids, w, lambda r, i: r, num_experts=4)
+    with pytest.raises(TypeError, match="topk_ids must be a .* tensor, got list"):
+        fastft.moe_expert_parallel(x, ids.tolist(), w, lambda r, i: r, num_experts=4)
+    with pytest.raises(ValueError, match=r"topk_ids must be \[T=4, K\]"):
+        fastft.moe_expert_parallel(x, ids[:3], w, lambda r, i: r, num_experts=4)

@@ -5,6 +5,7 @@ padded packing metadata, gradients through autograd, recapture, fallbacks) run w
 runs its body again on every replay; on a GPU the same tests run with real CUDA graphs.
 """
 
+import functools
 import types
 import warnings
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import fastft
-from fastft import graphs
+from fastft import graph_capture, graph_memory, graph_policy, graphs
 from fastft.testing import tiny_hf_model
 
 GPU = torch.cuda.is_available()
@@ -47,7 +48,7 @@ def where(request, monkeypatch):
         counter["graphs"] += 1
         return make(*args)
 
-    monkeypatch.setattr(graphs, "new_graph", counted)
+    monkeypatch.setattr(graph_capture, "new_graph", counted)
     return device, dtype, counter
 
 
@@ -113,9 +114,10 @@ def test_matches_offloaded_checkpoint_and_reuses_graphs(where):
             assert_close(a, b, dtype)
     # two graphs per layer and signature: batches 1-2 share one, 3 has its own, 4 is batch 3's again
     assert counter["graphs"] == 2 * 3 * 2
-    # the layers of a signature share their static buffers
-    statics = {id(gr.statics) for b in blocks for gr in b.__dict__[graphs._STATE].graphs.values()}
+    # the layers of a signature share their static buffers, and the signatures share their storage
+    statics = {gr.statics for b in blocks for gr in b.__dict__[graphs._STATE].graphs.values()}
     assert len(statics) == 2
+    assert len({st.inputs[0].data_ptr() for st in statics}) == len({st.out[0].data_ptr() for st in statics}) == 1
 
 
 def test_parameters_replaced_or_frozen_after_capture(where):
@@ -143,14 +145,19 @@ def test_fallbacks_warn_once_and_stay_correct(where, monkeypatch):
         got = run(blocks, embed, [30, 34], fastft.graphed_checkpoint, tags=types.SimpleNamespace(a=1))
     assert counter["graphs"] == 0
     assert_close(got[0], expected[0], dtype)
-    # past MAX_SIGNATURES signatures of a layer
+    # past MAX_SIGNATURES signatures of a layer the least-used graphs are dropped, nothing runs eagerly
     monkeypatch.setattr(graphs, "MAX_SIGNATURES", 1)
     run(blocks, embed, [30, 34], fastft.graphed_checkpoint)
     assert counter["graphs"] == 4
-    with pytest.warns(RuntimeWarning, match="it has had 1 signatures"):
-        got = run(blocks, embed, [20, 4, 40], fastft.graphed_checkpoint)  # 3 documents: another bucket
-    assert counter["graphs"] == 4
+    captures = graphs.capture_count()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = run(blocks, embed, [20, 4, 40], fastft.graphed_checkpoint)  # 3 documents: another bound
+        again = run(blocks, embed, [30, 34], fastft.graphed_checkpoint)  # bounds only grow: the same one
+    assert counter["graphs"] == 8 and graphs.capture_count() == captures + 2
+    assert all(len(b.__dict__[graphs._STATE].graphs) == 1 for b in blocks)
     assert_close(got[0], run(blocks, embed, [20, 4, 40], fastft.offloaded_checkpoint)[0], dtype)
+    assert_close(again[0], expected[0], dtype)
 
 
 def test_layers_with_hooks_run_eagerly(where):
@@ -236,13 +243,13 @@ def test_capture_failure_falls_back_for_good(monkeypatch):
     def fails(body, pool, stream):
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
 
-    monkeypatch.setattr(graphs, "new_graph", fails)
+    monkeypatch.setattr(graph_capture, "new_graph", fails)
     blocks, embed = make_stack(torch.device("cpu"), torch.float32, layers=2)
     expected = run(blocks, embed, [30, 34], fastft.offloaded_checkpoint)
     with pytest.warns(RuntimeWarning, match="capturing it failed.*not permitted when stream is capturing"):
         got = run(blocks, embed, [30, 34], fastft.graphed_checkpoint)
     assert_close(got[0], expected[0], torch.float32)
-    monkeypatch.setattr(graphs, "new_graph", Rerun)
+    monkeypatch.setattr(graph_capture, "new_graph", Rerun)
     made = Rerun.made
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once already
@@ -252,7 +259,7 @@ def test_capture_failure_falls_back_for_good(monkeypatch):
 
 def test_errors(monkeypatch):
     monkeypatch.setattr(graphs, "GRAPH_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(graphs, "new_graph", Rerun)
+    monkeypatch.setattr(graph_capture, "new_graph", Rerun)
     blocks, embed = make_stack(torch.device("cpu"), torch.float32, layers=1)
     x = torch.randn(8, 64, requires_grad=True)
     with pytest.raises(TypeError, match="needs a module call"):
@@ -297,14 +304,6 @@ def test_padded_info(rng):
         info.padded(4, 9, fill=False)
 
 
-def test_bucket():
-    for limit in (1, 7, 64, 1000):
-        for n in range(0, limit + 1):
-            b = graphs.bucket(n, limit)
-            assert n <= b <= max(limit, n, 1)
-            assert b == limit or b == n or b & (b - 1) == 0 and b < 2 * max(n, 1)
-
-
 @pytest.mark.parametrize("lora", [False, True])
 def test_transformers_apply_graphs_matches_eager(where, lora):
     device, dtype, counter = where
@@ -346,14 +345,66 @@ def test_apply_graphs_errors():
     model = tiny_hf_model("llama")
     with pytest.raises(ValueError, match="graphs=True needs offload_checkpointing=True"):
         ft_hf.apply(model, graphs=True, offload_checkpointing=False)
-    with pytest.raises(TypeError, match="graphs must be True or False"):
-        ft_hf.apply(model, graphs="yes")
+    with pytest.raises(ValueError, match="graphs='auto' needs offload_checkpointing=True"):
+        ft_hf.apply(model, graphs="auto", offload_checkpointing=False)
+    for bad in ("yes", "Auto", "", 1, 0, None, ["auto"]):  # truthy or falsy, never taken as a bool
+        with pytest.raises(TypeError, match=r"graphs must be True, False or 'auto', got"):
+            ft_hf.apply(model, graphs=bad)
+        with pytest.raises(TypeError, match=r"graphs must be True, False or 'auto', got"):
+            ft_hf.enable_gradient_checkpointing(model, graphs=bad)
     ft_hf.apply(model, graphs=True)
     layer = ft_hf.hf_model(model).model.layers[0]
     func = layer._gradient_checkpointing_func
-    assert func.func is fastft.graphed_checkpoint
+    assert func.func is fastft.graphed_checkpoint and "policy" not in func.keywords
     model.gradient_checkpointing_enable()  # what Trainer does: fastft's graphed checkpoint stays
     assert layer._gradient_checkpointing_func.func is fastft.graphed_checkpoint
+    ft_hf.revert(model)
+    for enable in (
+        functools.partial(ft_hf.apply, graphs="auto"),
+        functools.partial(ft_hf.enable_gradient_checkpointing, graphs="auto"),
+    ):
+        enable(model)
+        model.gradient_checkpointing_enable()
+        func = layer._gradient_checkpointing_func
+        assert func.func is fastft.graphed_checkpoint and func.keywords["policy"] == "auto"
+        ft_hf.revert(model)
+
+
+@pytest.mark.parametrize("launch_bound", [True, False])
+def test_apply_graphs_auto(where, monkeypatch, one_thread, launch_bound):
+    device, dtype, counter = where
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    # every layer counts as launch-bound (captured after two eager calls) or as GPU-bound (eager for good)
+    monkeypatch.setattr(graph_policy, "LAUNCH_BOUND", 0.0 if launch_bound else float("inf"))
+    from fastft.integrations import transformers as ft_hf
+    from fastft.integrations.transformers.graph_padding import uses_graphs
+
+    models = [ft_hf.apply(tiny_hf_model("qwen3", dtype, device), graphs=option) for option in (False, "auto")]
+    layers = ft_hf.decoder_layers(models[1])
+    for step, lengths in enumerate([[30, 37], [20, 47], [67], [40, 27]]):  # 67 tokens: bucket 72
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the timed call's events are done when the next step reads them
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 128, (1, 67), generator=g).to(device)
+        positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+        results = []
+        for model in models:
+            model.zero_grad(set_to_none=True)
+            out = model(input_ids=ids, labels=ids, position_ids=positions)
+            out.loss.backward()
+            results.append((out.loss.detach(), [p.grad for p in model.parameters() if p.grad is not None]))
+        (loss_e, grads_e), (loss_g, grads_g) = results
+        assert_close(loss_g, loss_e, dtype)
+        assert len(grads_g) == len(grads_e)
+        for a, b in zip(grads_g, grads_e):
+            assert_close(a, b, dtype)
+    states = [layer.__dict__[graphs._STATE] for layer in layers]
+    if launch_bound:  # steps 1-2 eager (the second timed), then captured once, padded to the bucket
+        assert counter["graphs"] == 2 * len(layers) and [s.captures for s in states] == [1] * len(layers)
+        assert uses_graphs(ft_hf.decoder_stack(models[1]))
+    else:  # decided GPU-bound after the timed call: no capture, and the batches are not padded from then on
+        assert counter["graphs"] == 0 and all(s.eager for s in states)
+        assert not uses_graphs(ft_hf.decoder_stack(models[1]))
 
 
 def test_graphed_documents_never_see_each_other(where):
@@ -369,3 +420,169 @@ def test_graphed_documents_never_see_each_other(where):
     alone = torch.cat([model(input_ids=d[None]).logits[0] for d in docs])
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(packed, alone, **tol)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matrices: one intra-op thread (several only wait for each other on a loaded CI runner)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _stream(g, batches, low, high):
+    """Document lengths of ``batches`` padding-free batches of ``low`` to ``high`` tokens."""
+    stream = []
+    for _ in range(batches):
+        tokens = int(torch.randint(low, high + 1, (1,), generator=g))
+        cuts = sorted(torch.randperm(tokens - 1, generator=g)[: int(torch.randint(0, 6, (1,), generator=g))] + 1)
+        bounds = [0, *[int(c) for c in cuts], tokens]
+        stream.append([b - a for a, b in zip(bounds, bounds[1:])])
+    return stream
+
+
+def test_padding_free_stream_few_captures_and_eager_results(where, monkeypatch, one_thread):
+    device, dtype, counter = where
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")  # the graph mechanics, not the packing kernels: fast on CPU
+    from fastft.buckets import token_bucket
+    from fastft.integrations import transformers as ft_hf
+
+    models = [ft_hf.apply(tiny_hf_model("qwen3", dtype, device), graphs=graphed) for graphed in (False, True)]
+    layers = ft_hf.decoder_layers(models[1])
+    stream = _stream(torch.Generator().manual_seed(4), 30, 33, 64)  # token buckets 36, 40, ..., 64: one octave
+    captures = graphs.capture_count()
+    signatures = set()  # (pool epoch, token bucket, (sequence-count bound, longest-sequence bound)) the layers saw
+    graph_memory.renew(device)  # a fresh pool: the earlier tests' captures do not count as larger ones
+    epoch = graph_memory.epoch(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        for seed, lengths in enumerate(stream + stream):  # the second pass: every signature replays
+            g = torch.Generator().manual_seed(seed)
+            ids = torch.randint(0, 128, (1, sum(lengths)), generator=g).to(device)
+            positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+            steps = []
+            for model in models:
+                model.zero_grad(set_to_none=True)
+                out = model(input_ids=ids, labels=ids, position_ids=positions)
+                assert out.logits.shape[1] == ids.shape[1]  # the caller's tokens, padding cut off
+                out.loss.backward()
+                steps.append(
+                    (out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+                )
+            (loss_e, grads_e), (loss_g, grads_g) = steps
+            assert_close(loss_g, loss_e, dtype)
+            assert grads_g.keys() == grads_e.keys() and grads_e
+            for name in grads_e:
+                assert_close(grads_g[name], grads_e[name], dtype)
+            bounds = layers[0].__dict__[graphs._STATE].bounds
+            signatures.add((graph_memory.epoch(device), token_bucket(sum(lengths)), bounds))
+            if seed == len(stream) - 1:
+                first_pass, first_signatures = graphs.capture_count() - captures, set(signatures)
+                first_epoch = graph_memory.epoch(device)
+    per_layer = [layer.__dict__[graphs._STATE].captures for layer in layers]
+    assert graphs.capture_count() - captures == sum(per_layer)
+    # the second pass renews nothing and captures only what the first pass captured before its last renewal
+    assert graph_memory.epoch(device) == first_epoch
+    assert sum(per_layer) - first_pass == len(layers) * len(signatures - first_signatures)
+    assert counter["graphs"] == 2 * sum(per_layer)
+    # a pool is renewed (every graph dropped) only at a token bucket larger than every one before; one
+    # capture per layer, signature and pool; the stated bound: 9 token buckets per octave, per bound pair
+    buckets = [token_bucket(sum(lengths)) for lengths in stream]
+    renewals = graph_memory.epoch(device) - epoch
+    assert renewals == sum(b > max(buckets[:i]) for i, b in enumerate(buckets) if i) <= 8
+    bound_pairs = {bounds for _, _, bounds in signatures}
+    assert per_layer == [len(signatures)] * len(layers)
+    assert len({s[1:] for s in signatures}) <= 9 * len(bound_pairs)
+    assert len(set(buckets)) >= 6 and len(bound_pairs) <= 4
+
+
+def test_padding_tokens_never_reach_real_ones(where, monkeypatch, one_thread):
+    device, dtype, counter = where
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    from fastft.integrations import transformers as ft_hf
+
+    model = ft_hf.apply(tiny_hf_model("llama", dtype, device), graphs=True)
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(0, 128, (n,), generator=g).to(device) for n in (13, 31, 23)]  # 67 tokens: padded to 72
+    positions = torch.cat([torch.arange(len(d)) for d in docs])[None].to(device)
+    packed = model(input_ids=torch.cat(docs)[None], position_ids=positions).logits[0]
+    assert packed.shape[0] == 67 and counter["graphs"] == 2 * 2
+    with torch.no_grad():  # eager, unpadded
+        alone = torch.cat([model(input_ids=d[None]).logits[0] for d in docs])
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(packed, alone, **tol)
+    # the padding's own token ids do not matter: other padding ids, the same real outputs
+    from fastft import buckets
+
+    monkeypatch.setattr(buckets.TokenPadding, "pad", lambda self, t, dim=1, value=0: _pad_with(self, t, dim, 7))
+    again = model(input_ids=torch.cat(docs)[None], position_ids=positions).logits[0]
+    torch.testing.assert_close(again, packed, **tol)
+
+
+def _pad_with(pad, t, dim, value):
+    shape = list(t.shape)
+    shape[dim] = pad.extra
+    return torch.cat([t, t.new_full(shape, value)], dim)
+
+
+def test_auto_policy_graphs_launch_bound_layers_only(where, monkeypatch):
+    device, dtype, counter = where
+    blocks, embed = make_stack(device, dtype, layers=2)
+    auto = functools.partial(fastft.graphed_checkpoint, policy="auto")
+    expected = run(blocks, embed, [30, 34], fastft.offloaded_checkpoint)
+    monkeypatch.setattr(graph_policy, "LAUNCH_BOUND", float("inf"))  # every layer counts as GPU-bound
+    for _ in range(4):
+        got = run(blocks, embed, [30, 34], auto)
+        assert_close(got[0], expected[0], dtype)
+    assert counter["graphs"] == 0 and all(b.__dict__[graphs._STATE].eager for b in blocks)
+    blocks, embed = make_stack(device, dtype, layers=2)
+    expected = run(blocks, embed, [30, 34], fastft.offloaded_checkpoint)
+    monkeypatch.setattr(graph_policy, "LAUNCH_BOUND", 0.0)  # every layer counts as launch-bound
+    for step in range(4):
+        got = run(blocks, embed, [30, 34], auto)
+        assert_close(got[0], expected[0], dtype)
+        for a, b in zip(got[1], expected[1]):
+            assert_close(a, b, dtype)
+        # the first call of a layer runs eagerly, the second is timed, the third captures (on a GPU: once
+        # the timed call's events are done)
+        assert counter["graphs"] == (2 * 2 if step >= 2 else 0) or device.type == "cuda"
+    with pytest.raises(ValueError, match="policy must be one of"):
+        fastft.graphed_checkpoint(blocks[0], embed[:4], policy="sometimes")
+
+
+def test_auto_policy_gives_up_on_ever_new_signatures(where, monkeypatch):
+    device, dtype, counter = where
+    monkeypatch.setattr(graph_policy, "LAUNCH_BOUND", 0.0)
+    monkeypatch.setattr(graphs, "MAX_SIGNATURES", 2)
+    blocks, embed = make_stack(device, dtype, layers=1, dim=32, heads=2)
+    auto = functools.partial(fastft.graphed_checkpoint, policy="auto")
+    run(blocks, embed, [8], auto)  # eager
+    run(blocks, embed, [8], auto)  # timed
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the timing is read at the next call
+    with pytest.warns(RuntimeWarning, match="its signatures keep changing"):
+        for tokens in range(9, 14):  # a new token count every call
+            got = run(blocks, embed, [tokens], auto)
+    assert blocks[0].__dict__[graphs._STATE].captures == 2
+    assert_close(got[0], run(blocks, embed, [13], fastft.offloaded_checkpoint)[0], dtype)
+
+
+def test_growing_buffers_drop_every_graph(where, monkeypatch):
+    device, dtype, counter = where
+    monkeypatch.setattr(graph_memory, "EXACT_BYTES", 0)  # every buffer shared and sized to a power of two
+    blocks, embed = make_stack(device, dtype, layers=2)
+    states = [b.__dict__ for b in blocks]
+    run(blocks, embed, [30, 34], fastft.graphed_checkpoint)  # 64 tokens
+    run(blocks, embed, [20, 20], fastft.graphed_checkpoint)  # 40 tokens: in the same buffers
+    assert counter["graphs"] == 8 and all(len(st[graphs._STATE].graphs) == 2 for st in states)
+    epoch = graph_memory.epoch(device)
+    got = run(blocks, embed, [50, 50], fastft.graphed_checkpoint)  # 100 tokens: the buffers grow
+    assert graph_memory.epoch(device) > epoch and counter["graphs"] == 12
+    assert all(len(st[graphs._STATE].graphs) == 1 for st in states)  # the others were dropped
+    expected = run(blocks, embed, [50, 50], fastft.offloaded_checkpoint)
+    for a, b in zip(got[1], expected[1]):
+        assert_close(a, b, dtype)
+    got = run(blocks, embed, [20, 20], fastft.graphed_checkpoint)  # captured again, in the grown buffers
+    assert counter["graphs"] == 16
+    assert_close(got[0], run(blocks, embed, [20, 20], fastft.offloaded_checkpoint)[0], dtype)

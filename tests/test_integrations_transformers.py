@@ -8,7 +8,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import fastft  # noqa: E402
+import fastft.experts  # noqa: E402
 import fastft.integrations.transformers as ft_hf  # noqa: E402
+from fastft.integrations.models import STATE, ModelState  # noqa: E402
+from fastft.integrations.transformers import attention as ft_attention  # noqa: E402
 from fastft.testing import no_host_sync, tiny_hf_model  # noqa: E402
 
 GPU = torch.cuda.is_available()
@@ -35,7 +38,7 @@ def test_moe_model_matches_transformers_eager(name, monkeypatch):
     ft_hf.use_moe(model)
     assert model.config._experts_implementation == "fastft"
     routed = []
-    monkeypatch.setattr(ft_hf, "moe_route", lambda *a, **k: routed.append(1) or fastft.moe_route(*a, **k))
+    monkeypatch.setattr(fastft.experts, "moe_route", lambda *a, **k: routed.append(1) or fastft.moe_route(*a, **k))
     loss2, grads2 = loss_and_grads(model, ids)
     assert len(routed) == model.config.num_hidden_layers  # every experts block ran through fastft
     # fp32: the same math in another summation order; bf16 (GPU): fastft sums the experts in fp32, eager in bf16
@@ -189,9 +192,10 @@ def test_one_packed_seq_info_per_forward(source, monkeypatch):
     """The decoder stack's hook builds the batch's PackedSeqInfo once; every layer reuses it."""
     model = ft_hf.apply(tiny("llama", torch.float32).cpu(), offload_checkpointing=False)
     built, seen = [], []
-    monkeypatch.setattr(ft_hf, "packed_seq_info", lambda **kw: built.append(fastft.packed_seq_info(**kw)) or built[-1])
-    attention = ft_hf.packed_attention
-    monkeypatch.setattr(ft_hf, "packed_attention", lambda *a, **k: seen.append(a[3]) or attention(*a, **k))
+    build = fastft.packed_seq_info
+    monkeypatch.setattr(ft_attention, "packed_seq_info", lambda **kw: built.append(build(**kw)) or built[-1])
+    attention = ft_attention.packed_attention
+    monkeypatch.setattr(ft_attention, "packed_attention", lambda *a, **k: seen.append(a[3]) or attention(*a, **k))
     ids = torch.randint(0, 128, (3, 10))
     kwargs = {
         "position_ids": dict(position_ids=torch.arange(10).repeat(3, 1)),
@@ -367,8 +371,8 @@ def test_lora_on_experts_weights_goes_through_fastft_experts(name, monkeypatch, 
 
     ref, model = build(moe=False), build(moe=True)
     calls = []
-    real = ft_hf.routed_experts
-    monkeypatch.setattr(ft_hf, "routed_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = fastft.experts.routed_experts
+    monkeypatch.setattr(fastft.experts, "routed_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
     ids = torch.randint(0, 128, (1, 14), generator=rng)
     positions = torch.cat([torch.arange(6), torch.arange(8)])[None]
     model.zero_grad()
@@ -409,3 +413,46 @@ def test_use_expert_parallel_errors():
         with pytest.raises(ValueError, match="init_process_group"):
             ft_hf.use_expert_parallel(model)
     assert ft_hf.expert_parameters(model) == set()  # nothing was sliced
+
+
+def test_use_expert_parallel_needs_experts_and_refuses_lora_on_them():
+    with pytest.raises(ValueError, match="has no experts blocks"):  # not "call apply first": apply was called
+        ft_hf.use_expert_parallel(ft_hf.apply(tiny("llama", torch.float32), offload_checkpointing=False))
+    peft = pytest.importorskip("peft")
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=experts)
+    model = ft_hf.apply(peft.get_peft_model(tiny("qwen3_moe", torch.float32), config), offload_checkpointing=False)
+    with pytest.raises(ValueError, match="LoRA on the experts"):  # PEFT's wrapper, not a parametrization
+        ft_hf.use_expert_parallel(model)
+    assert ft_hf.expert_parameters(model) == set()
+
+
+@pytest.mark.parametrize("option", ["packing", "offload_checkpointing", "moe", "lora", "graphs"])
+def test_apply_options_are_bools(option):
+    model = tiny("llama", torch.float32)
+    with pytest.raises(TypeError, match=f"{option} must be True or False, got str 'no'"):
+        ft_hf.apply(model, **{option: "no"})  # a truthy string turns nothing on
+    assert model.config._attn_implementation != "fastft" and not model.is_gradient_checkpointing
+    with pytest.raises(ValueError, match="nothing from fastft to revert"):
+        ft_hf.revert(model)
+
+
+@pytest.mark.parametrize(
+    "verb", ["revert", "expert_parameters", "use_expert_parallel", "use_packed_attention", "use_moe", "apply"]
+)
+def test_verbs_take_only_transformers_models(verb):
+    with pytest.raises(TypeError, match="model must be a transformers PreTrainedModel .*, got str"):
+        getattr(ft_hf, verb)("model")
+
+
+def test_revert_runs_each_concerns_undo_last_first():
+    model = tiny("qwen3_moe", torch.float32)
+    ft_hf.apply(model)
+    state = model.__dict__[STATE]
+    assert isinstance(state, ModelState) and {"attention", "experts", "checkpointing"} <= state.records.keys()
+    order = []
+    for i, undo in enumerate(state.undo):
+        state.undo[i] = lambda undo=undo, i=i: order.append(i) or undo()
+    ft_hf.revert(model)
+    assert order == list(range(len(state.undo)))[::-1]
+    assert model.config._attn_implementation != "fastft" and not model.is_gradient_checkpointing

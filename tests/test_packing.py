@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 import fastft
-from fastft import testing
+from fastft import checks, testing
 from fastft.reference import packing as reference
 
 # ---- the specification, spelled out in Python loops ----------------------------------------------------
@@ -93,7 +93,7 @@ def test_triton_matches_torch_from_position_ids(device, position_ids, window, bl
     if position_ids.numel():
         testing.differential(lambda backend: boundaries_op(source["position_ids"].contiguous(), backend))
     testing.differential(
-        lambda backend: testing.packing_outputs(
+        lambda backend: checks.packing_outputs(
             source,
             windows=(window,),
             block_sizes=(block_size,),
@@ -109,7 +109,7 @@ def test_triton_matches_torch_from_lengths(device, lengths_and_tokens, window, a
     values = [sum(lengths[:i]) for i in range(len(lengths) + 1)] if as_cu else lengths
     source = {"cu_seqlens" if as_cu else "seq_lengths": values, "num_tokens": num_tokens, "device": device}
     testing.differential(
-        lambda backend: testing.packing_outputs(source, windows=(window,), block_sizes=(16,), backend=backend)
+        lambda backend: checks.packing_outputs(source, windows=(window,), block_sizes=(16,), backend=backend)
     )
 
 
@@ -117,7 +117,7 @@ def test_triton_matches_torch_from_lengths(device, lengths_and_tokens, window, a
 def test_small_blocks_match_torch(device, position_ids, window, block_size):
     source = {"position_ids": position_ids.to(device)}
     testing.differential(
-        lambda backend: testing.packing_outputs(source, windows=(window,), block_sizes=(block_size,), backend=backend)
+        lambda backend: checks.packing_outputs(source, windows=(window,), block_sizes=(block_size,), backend=backend)
     )
 
 
@@ -133,8 +133,8 @@ def test_block_mask_identical_to_create_block_mask(device, position_ids, window,
     )
     got = info.flex_block_mask(window, block_size)
     testing.assert_same(
-        {f: getattr(got, f) for f in testing.BLOCK_MASK_FIELDS},
-        {f: getattr(expected, f) for f in testing.BLOCK_MASK_FIELDS},
+        {f: getattr(got, f) for f in checks.BLOCK_MASK_FIELDS},
+        {f: getattr(expected, f) for f in checks.BLOCK_MASK_FIELDS},
     )
     assert got.seq_lengths == (t, t) and got.BLOCK_SIZE == (block_size, block_size)
 
@@ -142,7 +142,7 @@ def test_block_mask_identical_to_create_block_mask(device, position_ids, window,
 def test_random_cases_like_cli_check(device, rng):
     g = rng
     for _ in range(5):
-        testing.check_packing(g, device, 96)
+        checks.check_packing(g, device, 96)
 
 
 def test_differential_reports_first_mismatch():
@@ -188,6 +188,37 @@ def test_differential_reports_first_mismatch():
 def test_bad_input(kwargs, error, match):
     with pytest.raises(error, match=match):
         fastft.packed_seq_info(**kwargs)
+
+
+def test_lengths_past_int32_are_refused_not_wrapped():
+    # int64 sums of these wrap: the info had a negative num_tokens
+    with pytest.raises(ValueError, match="seq_lengths holds 4611686018427387904; cu_seqlens is int32"):
+        fastft.packed_seq_info(seq_lengths=[2**62, 2**62])
+    with pytest.raises(ValueError, match="seq_lengths holds 4611686018427387904"):
+        fastft.packed_seq_info(seq_lengths=torch.tensor([2**62, 2**62]))
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+        fastft.packed_seq_info(cu_seqlens=[0, 2**63 - 1, -(2**63)])
+    with pytest.raises(ValueError, match="does not fit int32"):
+        fastft.packed_seq_info(cu_seqlens=[0, 2**62, 2**63 - 1])
+
+
+def test_padded_keeps_the_layout_and_checks_its_arguments(device):
+    pos = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]], device=device)
+    info = fastft.packed_seq_info(position_ids=pos)
+    padded = info.padded(8, 5)
+    assert padded.doc_ids.shape == padded.position_ids.shape == (2, 5)  # [B, T] as the info's own
+    assert torch.equal(padded.doc_ids, info.doc_ids) and torch.equal(padded.position_ids, info.position_ids)
+    mask_mod = fastft.document_mask_mod(padded.doc_ids)
+    assert bool(mask_mod(1, 0, torch.tensor(4), torch.tensor(2))) and not bool(mask_mod(1, 0, torch.tensor(2), 1))
+    flat = fastft.packed_seq_info(seq_lengths=[3, 2], device=device).padded(4, 3)
+    assert flat.doc_ids.shape == (5,) and flat.doc_ids.tolist() == [0, 0, 0, 1, 1]
+    for fill in ("no", 0, None):  # booleans are checked as booleans
+        with pytest.raises(TypeError, match="fill must be True or False"):
+            info.padded(8, 5, out=torch.zeros(9, dtype=torch.int32, device=device), fill=fill)
+    # refused before anything is allocated (2**31 sequences were an 8 GiB cu_seqlens)
+    for num_seqs in (11, 2**31):
+        with pytest.raises(ValueError, match=f"num_seqs={num_seqs} is more than this batch's 10 tokens"):
+            info.padded(num_seqs, 5)
 
 
 def test_validation_does_not_depend_on_earlier_calls():

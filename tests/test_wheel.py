@@ -60,7 +60,7 @@ def test_wheel_holds_every_package(wheel):
     folders = {n.rsplit("/", 1)[0] for n in names if "/" in n and ".dist-info" not in n}
     missing = _source_packages() - folders
     assert not missing, f"packages missing from the wheel (pyproject.toml's package list): {sorted(missing)}"
-    assert "fastft/integrations/transformers.py" in names and "fastft/kernels/packing.py" in names
+    assert "fastft/integrations/transformers/__init__.py" in names and "fastft/kernels/packing.py" in names
     assert any(n.startswith("fastft/autotune_cache/") and n.endswith(".json") for n in names)
     # kernels/ ships as fastft.kernels, never as a top-level `kernels` (Hugging Face's package name).
     assert not [n for n in names if n.split("/")[0] in ("kernels", "autotune_cache", "tests")]

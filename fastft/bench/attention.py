@@ -12,9 +12,20 @@ import fastft
 from fastft import attention
 
 from .common import Row, time_ms
+from .models import MODEL_CONFIGS
 
-# name -> (query heads, key/value heads, head dim, sinks)
-SHAPES = {"Llama-3.2-1B": (32, 8, 64, False), "Qwen3-8B": (32, 8, 128, False), "gpt-oss-20b (sinks)": (64, 8, 64, True)}
+
+def _heads(name: str) -> tuple[int, int, int]:
+    fields = MODEL_CONFIGS[name][1]
+    return fields["num_attention_heads"], fields["num_key_value_heads"], fields["head_dim"]
+
+
+# name -> (query heads, key/value heads, head dim, sinks), from the model table
+SHAPES = {
+    "Llama-3.2-1B": (*_heads("Llama-3.2-1B"), False),
+    "Qwen3-8B": (*_heads("Qwen3-8B"), False),
+    "gpt-oss-20b (sinks)": (*_heads("gpt-oss-20b"), True),
+}
 
 
 def _peak_gib(fn, device) -> float | None:

@@ -22,17 +22,18 @@ import tempfile
 
 import torch
 
-from ..testing import exit_spawned_worker
+from ..spawn import exit_spawned_worker
 from . import e2e
 
 MODES = ("ddp", "fsdp2", "ep", "hf ep")
+MODELS = ("Qwen3-0.6B", "Qwen3-30B-A3B")  # run without --model: a dense model and a MoE one
 
 
 def _wrap(model, mode: str, moe: bool):
     import torch.distributed as dist
 
-    from fastft.audit import decoder_layers
     from fastft.integrations import transformers as ft_hf
+    from fastft.integrations.transformers import decoder_layers
 
     if mode == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -144,7 +145,7 @@ def run(nproc: int, quick: bool, models=None, columns=None, modes=None) -> list[
     tiny = quick or not gpu
     device = torch.device("cuda" if gpu else "cpu")
     records = []
-    for name in models or ["Qwen3-0.6B", "Qwen3-30B-A3B"]:
+    for name in models or MODELS:
         moe = e2e.MODELS[name][0] in ("Qwen3MoeConfig", "GptOssConfig")
         for mode in modes or ["ddp"]:
             if mode in ("ep", "hf ep") and not moe:

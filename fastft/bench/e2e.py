@@ -1,340 +1,225 @@
-"""End-to-end fine-tuning step (``python -m fastft bench --e2e``): transformers models built from configs
-with random weights, one packed row of documents drawn from an SFT-like length distribution, LoRA
-(peft, when installed; else all weights train) with AdamW, bf16, gradient checkpointing on.
+"""End-to-end fine-tuning steps on a stream of fresh packed batches (``python -m fastft bench --e2e``):
+transformers models built from configs with random weights, LoRA (peft, when installed; else all weights
+train) with AdamW, bf16, gradient checkpointing on.
 
-Columns, one model build each, same weights and batch:
-- ``naive glue``: what the "25% faster" claim was measured against: packed attention that rebuilds the
-  document boundaries in every layer with host syncs, single-buffered offloaded checkpointing, and
-  transformers' per-expert MoE loop;
-- ``stock sdpa``: transformers with ``sdpa`` (its packed mask from position ids; gpt-oss: ``eager``, the
-  one that takes its attention sinks), ``torch.utils.checkpoint``, and its default experts
-  implementation (``grouped_mm``);
-- ``stock sdpa, hf offload``: the same with transformers' own offload
-  (``gradient_checkpointing_enable(offload=True)``: checkpoint inputs in pinned host memory, copied on the
-  compute stream; GPU only);
-- ``stock flex``: the same as ``stock sdpa`` with ``flex_attention``, transformers' fastest attention here
-  without flash-attn (GPU only: it compiles its kernels for minutes on the first step, which is not timed);
-- ``liger + stock flex``: ``stock flex`` on a model that Liger-Kernel patched in place with its defaults
-  (RMSNorm, rotary, SwiGLU or fused MoE, fused linear cross entropy; GPU and liger-kernel only);
-- ``fastft, peft lora``: ``fastft.integrations.transformers.apply(model, lora=False)``, PEFT's own LoRA
-  forward (shows what the LoRA path adds);
-- ``fastft``: ``fastft.integrations.transformers.apply`` on the PEFT model;
-- ``fastft + liger``: ``apply`` on a model that Liger patched first (fastft keeps its experts path);
-- ``fastft, experts lora`` (MoE models): ``fastft`` with LoRA also on the experts' weights (PEFT
-  ``target_parameters``), what MoE fine-tunes train;
-- ``fastft, graphs`` and ``fastft + liger, graphs``: the same with ``apply(..., graphs=True)``, each
-  checkpointed layer replayed as CUDA graphs (GPU only; captured on the first, untimed steps).
+The stream (``fastft.bench.stream``; ``--stream``): each step a new packed row of SFT-like documents, the
+same rows for every column: ``fixed`` packs of exactly the model's token budget (16,384 tokens; gpt-oss
+4,096; 256 in the tiny configs), or ``padding-free`` rows of whole documents up to the budget, whose token
+count changes every step. The default is ``padding-free`` (how TRL packs now, and the hard case for
+anything that specializes on shapes); ``both`` runs each column on both, twice the time.
 
-Peers are the columns users run without fastft: ``stock *`` and ``liger + stock flex``.
+Each column runs ``warmup`` first steps (default 3; 1 in the tiny configs) and then ``steps`` timed steps
+(default 20; 2 in the tiny configs), every step on the next batch, its loss read as a logging loop does.
+Reported: steady-state tokens/s (real tokens, no padding, over the timed steps' wall time), the mean step
+time, the wall time of the first steps apart (autotune, compiles, CUDA graph captures happen there: shown,
+not hidden), peak memory over the timed steps with what CUDA graph pools hold, the graphs ``torch.compile``
+compiled and the CUDA graphs ``fastft.graphs`` captured, each in the first steps and in the timed steps (a
+stack that recompiles or captures per batch shape shows it in the second), and every step's loss.
+
+The columns (``fastft.bench.columns``, whose names are re-exported here): naive glue, the stock
+transformers stacks, Liger-Kernel + stock flex, and fastft's stacks; one model build each, the same weights
+and stream. ``torch.compile``'s in-process caches are reset before each column, so each compiles for itself
+(inductor's on-disk cache stays, as it does for a user's second run). Each fastft column's ``vs fastest
+peer`` is its tokens/s over the highest tokens/s among the peer columns (users' stacks without fastft:
+``stock *``, ``liger + stock flex``) on the same model and stream (``LEGEND``).
+
+The padded columns (``stock sdpa, padded``) train on the same documents one per row, right-padded, in
+micro-batches of at most the token budget (padding included), whose losses, each weighted by its share of the
+step's predicted tokens, sum to the packed row's loss: one optimizer step per batch of the stream. A column
+that lets documents see each other on a model (``leaks``: stock packing on Qwen3.5, whose Gated DeltaNet
+layers carry state across documents; stock gpt-oss) is marked so in the table and the JSON (``leaks``).
+
+The loss check (``loss_check``): at every step, each column's loss against the first of naive glue, stock
+sdpa and stock sdpa, padded that ran and does not leak; a fastft column outside the tolerance fails the run.
+``step_ms`` times one batch repeated instead of a stream (the distributed benchmark's measure).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import itertools
 import math
 import os
 import statistics
+import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
-from fastft.testing import MODEL_CONFIGS as MODELS
-from fastft.testing import sft_lengths
+from .columns import COLUMNS as COLUMNS
+from .columns import build as build
+from .columns import columns as columns
+from .columns import dtype_for as dtype_for
+from .columns import installed, leaks, why_not, why_not_on
+from .columns import model_config as model_config
+from .models import MODEL_CONFIGS as MODELS
+from .stream import KINDS, PackedBatch, packed_stream, padded
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=64,
-    moe_intermediate_size=32,
-    num_experts=8,
-    num_local_experts=8,
-    num_experts_per_tok=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=256,
-    sliding_window=16,
-)
-COLUMNS = (
-    "naive glue",
-    "stock sdpa",
-    "stock sdpa, hf offload",
-    "stock flex",
-    "liger + stock flex",
-    "fastft, peft lora",
-    "fastft",
-    "fastft + liger",
-    "fastft, experts lora",
-    "fastft, graphs",
-    "fastft + liger, graphs",
-)
-PEERS = ("stock sdpa", "stock sdpa, hf offload", "stock flex", "liger + stock flex")
-# hf offload: transformers 5.17's pins host memory, which a CPU-only torch cannot
-GPU_ONLY = (
-    "stock sdpa, hf offload",
-    "stock flex",
-    "liger + stock flex",
-    "fastft + liger",
-    "fastft, graphs",
-    "fastft + liger, graphs",
-)
-LIGER = ("liger + stock flex", "fastft + liger", "fastft + liger, graphs")
-LIGER_FAMILIES = {
-    "LlamaConfig": "llama",
-    "Qwen3Config": "qwen3",
-    "Qwen3MoeConfig": "qwen3_moe",
-    "GptOssConfig": "gpt_oss",
-}
-TOKENS = {"gpt-oss-20b": 4096}
+TOKENS = {"gpt-oss-20b": 4096}  # token budget per row; 16,384 for the others
+DEFAULT_STREAMS = ("padding-free",)
+STREAM_CHOICES = (*KINDS, "both")  # --stream
 
 
-def _naive_attention(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs
-):
-    """Packed attention the way per-layer glue does it: boundaries rebuilt in every layer, with syncs."""
-    from fastft import attention
-
-    flat = kwargs["position_ids"].reshape(-1)
-    starts = (flat == 0).nonzero().flatten()  # sync
-    cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).int()
-    max_seqlen = int((cu[1:] - cu[:-1]).max())  # sync
-    window = int(sliding_window) if sliding_window else None
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    sinks = getattr(module, "sinks", None)
-    if sinks is None and attention.flash_reason(q, k, None, dropout, window) is None:
-        b, t, h, d = q.shape
-        flat_qkv = (x.reshape(b * t, x.shape[2], d) for x in (q, k, v))
-        out = attention.flash_op(*flat_qkv, cu, max_seqlen, scaling or d**-0.5, window, None)
-        return out.view(b, t, h, d), None
-    doc = torch.zeros_like(flat).index_fill_(0, starts[1:], 1).cumsum(0)
-    q, k = torch.arange(flat.numel(), device=flat.device)[:, None], torch.arange(flat.numel(), device=flat.device)[None]
-    ok = (doc[:, None] == doc[None]) & (k <= q) & ((q - k < window) if window else True)
-    if sinks is not None:
-        import sys
-
-        mask = torch.zeros(ok.shape, dtype=query.dtype, device=ok.device).masked_fill(~ok, float("-inf"))[None, None]
-        return sys.modules[type(module).__module__].eager_attention_forward(
-            module, query, key, value, mask, scaling=scaling, dropout=dropout
-        )
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=ok[None, None], scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+def streams_of(choice: str | None) -> tuple[str, ...]:
+    """The stream kinds a ``--stream`` choice runs (None: the default)."""
+    if choice is None:
+        return DEFAULT_STREAMS
+    if choice not in STREAM_CHOICES:
+        raise ValueError(f"stream must be one of {', '.join(map(repr, STREAM_CHOICES))}, got {choice!r}")
+    return KINDS if choice == "both" else (choice,)
 
 
-def _liger(model, config_cls: str):
-    """Liger-Kernel's defaults on ``model`` in place; returns a function that puts back the transformers
-    module globals Liger also patches (its rotary is read at forward time: call it after the column ran)."""
-    import importlib
-
-    from liger_kernel.transformers import monkey_patch
-
-    family = LIGER_FAMILIES[config_cls]
-    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    saved, cross_entropy = dict(vars(module)), F.cross_entropy
-    getattr(monkey_patch, f"apply_liger_kernel_to_{family}")(model=model)
-
-    def restore():
-        for extra in set(vars(module)) - set(saved):
-            delattr(module, extra)
-        vars(module).update(saved)
-        F.cross_entropy = cross_entropy
-
-    return restore
+def schedule(tiny: bool, warmup: int | None = None, steps: int | None = None) -> tuple[int, int]:
+    """(first steps, timed steps) of each column: the given counts, or the defaults (3 and 20; 1 and 2 in the
+    tiny configs)."""
+    warmup = warmup if warmup is not None else 1 if tiny else 3
+    steps = steps if steps is not None else 2 if tiny else 20
+    for name, value, low in (("warmup", warmup, 0), ("steps", steps, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return warmup, steps
 
 
-def model_config(name: str, tiny: bool):
-    """The transformers config of an e2e model (``tiny``: 2 layers, small widths)."""
-    import transformers
-
-    config_cls, fields, layers = MODELS[name]
-    fields = dict(fields, num_hidden_layers=layers)
-    if tiny:
-        fields.update({k: v for k, v in TINY.items() if k in fields}, num_hidden_layers=2)
-    return getattr(transformers, config_cls)(**fields, use_cache=False)
-
-
-def dtype_for(device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def build(name: str, column: str, device, tiny: bool, model=None):
-    """((model, whether LoRA is on), a function to call after the column ran: it undoes Liger's module patches).
-    ``model``: one already built from ``model_config`` (e.g. loaded under a distributed plan) instead of a
-    fresh one with the fixed seed."""
-    import transformers
-
-    from fastft.integrations import transformers as ft_hf
-
-    if model is None:
-        torch.manual_seed(0)
-        with torch.device(device):  # initialise on the device: minutes on a CPU for billions of weights
-            model = transformers.AutoModelForCausalLM.from_config(model_config(name, tiny), dtype=dtype_for(device))
-    model = model.train()
-    moe = ft_hf.has_experts(model)
-    restore = _liger(model, MODELS[name][0]) if column in LIGER else (lambda: None)
-    try:
-        return _stack(model, name, column, moe), restore
-    except BaseException:
-        restore()
-        raise
-
-
-def _stack(model, name: str, column: str, moe: bool):
-    """``build``'s column set-up on a built model: (model, whether LoRA is on)."""
-    import warnings
-
-    import transformers
-
-    import fastft
-    from fastft.integrations import transformers as ft_hf
-
-    if column == "naive glue":
-        transformers.AttentionInterface.register("naive_packed", _naive_attention)
-        model.set_attn_implementation("naive_packed")
-        model.gradient_checkpointing_enable()
-        single = fastft.OffloadConfig(enabled=True, double_buffer=False)
-        model._set_gradient_checkpointing(
-            True, lambda f, *a, **k: fastft.offloaded_checkpoint(f, *a, offload_config=single, **k)
-        )
-    elif not column.startswith("fastft"):
-        attention = "flex_attention" if column.endswith("flex") else "eager" if name.startswith("gpt-oss") else "sdpa"
-        model.set_attn_implementation(attention)
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False}, offload=column.endswith("hf offload")
-        )
-    if moe and not column.startswith("fastft"):
-        model.set_experts_implementation("eager" if column == "naive glue" else "grouped_mm")
-    try:
-        import peft
-
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj"] + ([] if moe else ["gate_proj", "up_proj", "down_proj"])
-        experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if column == "fastft, experts lora" else None
-        lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, target_parameters=experts)
-        model = peft.get_peft_model(model, lora)
-        lora = True
-    except ImportError:
-        lora = False
-    if column.startswith("fastft"):
-        with warnings.catch_warnings():  # "fastft + liger": fastft keeps its experts path, as it says
-            warnings.filterwarnings("ignore", "Liger-Kernel's swiglu patch")
-            ft_hf.apply(model, lora=column != "fastft, peft lora", graphs=column.endswith(", graphs"))
-    return model, lora
-
-
-def describe(device: torch.device, quick: bool) -> str:
-    """What the run measures, said before it starts."""
-    lora = _installed("peft")
+def describe(device: torch.device, quick: bool, only=None, stream=None, warmup=None, steps=None) -> str:
+    """What the run measures, said before it starts; the columns that cannot run here, one line each."""
+    tiny = device.type != "cuda" or quick
+    warmup, steps = schedule(tiny, warmup, steps)
     lines = []
-    if device.type != "cuda" or quick:
+    if tiny:
         lines.append(
-            f"e2e on {device.type}: tiny 2-layer configs of each model, 256 tokens, "
+            f"e2e on {device.type}: tiny 2-layer configs of each model, rows of up to 256 tokens, "
             f"{'bf16' if device.type == 'cuda' else 'fp32'}; the step times show that each stack runs, not how "
             "fast it is (tiny CPU steps vary by an order of magnitude between identical runs)"
         )
     else:
-        lines.append("e2e on the GPU: real-size configs (fewer layers for the large ones), bf16, 16k packed tokens")
-    if lora:
-        lines.append("LoRA r=16 on the attention (and dense MLP) projections through peft, AdamW")
-    else:
         lines.append(
-            "peft is not installed: all weights train, so 'fastft, peft lora' would repeat 'fastft' and is "
-            "skipped (pip install peft for the LoRA columns)"
+            "e2e on the GPU: real-size configs (fewer layers for the large ones), bf16, rows of up to 16,384 "
+            "tokens (gpt-oss 4,096)"
         )
+    lines.append(
+        f"stream: a fresh packed row each step, the same for every column ({', '.join(streams_of(stream))}; "
+        f"fastft/bench/stream.py); per column {warmup} first steps (shown apart: compiles, autotune, graph "
+        f"captures), then {steps} timed steps"
+    )
+    if installed("peft"):
+        lines.append("LoRA r=16 on the attention (and dense MLP, and linear-attention) projections through peft, AdamW")
+    else:
+        lines.append("peft is not installed: all weights train (pip install peft for the LoRA columns)")
+    skipped = [(c, why_not(c, device)) for c in COLUMNS if (not only or c in only) and why_not(c, device)]
+    if skipped:
+        lines.append("skipped here:")
+        lines += [f"  '{c}': {why}" for c, why in skipped]
     if device.type != "cuda":
-        lines.append(f"{', '.join(GPU_ONLY)} need a GPU and are skipped; no peak memory without one")
+        lines.append("no peak memory without a GPU")
         if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("FASTFT_BACKEND", "auto") != "torch":
             lines.append(
                 "fastft columns run its Triton kernels in Triton's interpreter, slowly by design "
                 "(FASTFT_BACKEND=torch runs its torch path)"
             )
-    elif not _installed("liger_kernel"):
-        lines.append(f"liger-kernel is not installed: {', '.join(LIGER)} are skipped (pip install liger-kernel)")
     lines.append(
-        "each column starts from the same weights and batch: fastft's first-step losses must equal naive "
-        "glue's, or stock sdpa's without naive glue (exit status 1 if not)"
+        "each column starts from the same weights and stream: fastft's losses must equal those of the first of "
+        "naive glue, stock sdpa, stock sdpa padded that keeps documents apart, at every step (exit status 1 if not)"
     )
     return "\n".join("  " + line for line in lines)
 
 
-def _installed(package: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(package) is not None
-
-
-def columns(device: torch.device, only=None) -> list[str]:
-    """The columns that run here (see the module docstring), of ``only`` if given."""
-    skip = set(GPU_ONLY) if device.type != "cuda" else set()
-    if not _installed("liger_kernel"):
-        skip.update(LIGER)
-    if not _installed("peft"):
-        skip.update(("fastft, peft lora", "fastft, experts lora"))
-    return [c for c in COLUMNS if c not in skip and (not only or c in only)]
+def budget(name: str, tiny: bool) -> int:
+    """Tokens per packed row (and per padded micro-batch) of the model ``name``: 16,384 (gpt-oss 4,096; tiny
+    configs 256)."""
+    return 256 if tiny else TOKENS.get(name, 16384)
 
 
-def loss_check(records: list[dict]) -> tuple[bool, str]:
-    """(fastft agrees, one line per model): each column's first-step loss on the same weights and batch
-    against ``naive glue`` (documents kept apart by a plain mask), or against ``stock sdpa`` when naive glue
-    did not run (not for gpt-oss, whose stock attention lets documents see each other), within 1e-4 relative
-    in fp32 and 2e-2 in bf16 (attention kernels sum in other orders). A fastft column outside that fails the
-    check; another column outside it is reported."""
-    ok, lines = True, []
-    for name in dict.fromkeys(r["model"] for r in records):
-        rows = {r["column"]: r for r in records if r["model"] == name and math.isfinite(r["loss"])}
-        reference = "naive glue" if "naive glue" in rows or name.startswith("gpt-oss") else "stock sdpa"
-        base = rows.get(reference)
-        if base is None:
-            continue
-        tol = 2e-2 if base["dtype"] == "bfloat16" else 1e-4
-        parts = []
-        for column, r in rows.items():
-            if column == reference:
-                continue
-            rel = abs(r["loss"] - base["loss"]) / max(abs(base["loss"]), 1e-6)
-            good = rel <= tol
-            if column.startswith("fastft"):
-                ok &= good
-                parts.append(f"{column} {rel:.1e}" + ("" if good else " FAILS"))
-            else:
-                parts.append(f"{column} {rel:.1e}" + ("" if good else " (differs)"))
-        lines.append(
-            f"loss check {name}: relative difference to {reference} ({base['loss']:.5f}, tolerance "
-            f"{tol:g}): " + ", ".join(parts)
-        )
-    return ok, "\n".join(lines)
+def model_stream(name: str, kind: str, tiny: bool, device=None, seed: int = 0):
+    """The endless stream of ``kind`` of the model ``name`` (``fastft.bench.stream.packed_stream``): rows of
+    ``budget`` tokens at most, documents around 380 tokens (tiny: 40)."""
+    vocab = 256 if tiny else 128000
+    return packed_stream(kind, budget(name, tiny), seed, median=40 if tiny else 380, vocab=vocab, device=device)
+
+
+def step_inputs(column: str, batch: PackedBatch, name: str, tiny: bool):
+    """What ``column`` feeds the model for one step on ``batch``: the packed row's model inputs (a dict), or
+    for a padded column its micro-batches as ``[(model inputs, loss weight), ...]``, each weight its share of
+    the step's predicted tokens (host ints: no sync), so that the weighted losses sum to the packed loss."""
+    if not COLUMNS[column].padded:
+        return batch.inputs()
+    parts = padded(batch, budget(name, tiny))
+    total = sum(p.targets for p in parts)
+    return [(p.inputs(), p.targets / total) for p in parts]
+
+
+def micro_batches(step) -> list:
+    """``[(model inputs, loss weight or None), ...]`` of a step as ``step_inputs`` gives it."""
+    return [(step, None)] if isinstance(step, dict) else list(step)
+
+
+def stream_batches(name: str, kind: str, tiny: bool, count: int, device=None, seed: int = 0) -> list[PackedBatch]:
+    """The first ``count`` batches of ``model_stream``."""
+    return list(itertools.islice(model_stream(name, kind, tiny, device, seed), count))
+
+
+def make_batch(name: str, device, tiny: bool, seed: int = 0) -> tuple[dict, list[int]]:
+    """The model's first fixed-length batch of stream ``seed`` as model inputs, and its document lengths."""
+    (batch,) = stream_batches(name, "fixed", tiny, 1, device, seed)
+    return batch.inputs(), list(batch.seq_lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """What ``train`` measured."""
+
+    losses: list  # each step's loss, first steps included
+    seconds: list  # each step's wall time, to the end of its GPU work
+    compiles: list  # graphs torch.compile compiled during each step
+    captures: list  # fastft.graphs captures during each step (one per layer and signature)
+    peak_bytes: int  # peak over the steps after ``warmup`` (CUDA graph pools included); -1 without a GPU
+
+
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process (none before anything imported dynamo)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
+
+
+def train(model, inputs, warmup: int, device) -> Steps:
+    """One AdamW training step per item of ``inputs``: a model-input dict, or micro-batches accumulated into
+    one step (``step_inputs``); the peak memory counts from step ``warmup`` on."""
+    from fastft.graphs import capture_count
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    cuda = device.type == "cuda"
+    losses, seconds, compiles, captures = [], [], [], []
+    for i, batch in enumerate(inputs):
+        if cuda and i == warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        compiled, captured = _compiled_graphs(), capture_count()
+        start = time.perf_counter()
+        loss = None
+        for part, weight in micro_batches(batch):
+            part_loss = model(**part).loss
+            if weight is not None:
+                part_loss = part_loss * weight
+            part_loss.backward()
+            loss = part_loss.detach() if loss is None else loss + part_loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # read each step, as a logging loop does
+        if cuda:
+            torch.cuda.synchronize()  # work on other streams (offload copies) counts in its step
+        seconds.append(time.perf_counter() - start)
+        compiles.append(_compiled_graphs() - compiled)
+        captures.append(capture_count() - captured)
+    peak = torch.cuda.max_memory_allocated() + graph_pool_bytes() if cuda else -1
+    return Steps(losses, seconds, compiles, captures, peak)
 
 
 def step_ms(model, batch, steps: int, device) -> tuple[float, int, float]:
-    """(median step ms, peak bytes (CUDA graph pools included), first step's loss)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5)
-    times = []
-    first_loss = float("nan")
-    for i in range(steps + 2):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            if i == 2:
-                torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
-        if start is not None:
-            start.record()
-        t0 = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
-        if i == 0:
-            first_loss = loss.item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if start is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            ms = (time.perf_counter() - t0) * 1000
-        if i >= 2:
-            times.append(ms)
-    peak = torch.cuda.max_memory_allocated() + graph_pool_bytes() if device.type == "cuda" else -1
-    return statistics.median(times), peak, first_loss
+    """The same ``batch`` two untimed and ``steps`` timed times: (median step ms, peak bytes (CUDA graph
+    pools included), first step's loss)."""
+    result = train(model, [batch] * (steps + 2), 2, device)
+    return statistics.median(result.seconds[2:]) * 1000, result.peak_bytes, result.losses[0]
 
 
 def graph_pool_bytes() -> int:
@@ -346,99 +231,220 @@ def graph_pool_bytes() -> int:
     )
 
 
-def make_batch(name: str, device, tiny: bool, seed: int = 0) -> tuple[dict, list[int]]:
-    """The model's packed batch (one row of documents drawn from ``seed``) and its document lengths."""
-    tokens = 256 if tiny else TOKENS.get(name, 16384)
-    lengths = sft_lengths(tokens, median=40 if tiny else 380, seed=seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, 256 if tiny else 128000, (1, tokens), generator=g)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    return {"input_ids": ids.to(device), "labels": ids.to(device), "position_ids": positions.to(device)}, lengths
+def _reset_compiles() -> None:
+    """Empty torch.compile's caches, so a column pays its own compiles (not loaded before: nothing to reset)."""
+    if "torch._dynamo" in sys.modules:
+        torch.compiler.reset()
 
 
-def run(device: torch.device, quick: bool, models=None, only_columns=None) -> list[dict]:
-    """One record per (model, column): median step ms, tokens/s, peak bytes."""
+def run(
+    device: torch.device, quick: bool, models=None, only_columns=None, stream=None, warmup=None, steps=None
+) -> list[dict]:
+    """One record per (model, stream, column); see the module docstring and ``format_table``. ``stream``: a
+    ``STREAM_CHOICES`` entry (default ``padding-free``); ``warmup``, ``steps``: see ``schedule``."""
+    tiny = device.type != "cuda" or quick
+    warmup, steps = schedule(tiny, warmup, steps)
+    kinds = streams_of(stream)
     try:
         import transformers  # noqa: F401
     except ImportError:
         print("the end-to-end benchmark needs transformers (pip install transformers)")
         return []
-    tiny = device.type != "cuda" or quick
     records = []
     for name in models or MODELS:
-        batch, lengths = make_batch(name, device, tiny)
-        tokens = batch["input_ids"].shape[1]
-        moe = MODELS[name][0] in ("Qwen3MoeConfig", "GptOssConfig")
-        for column in columns(device, only_columns):
-            if column == "fastft, experts lora" and not moe:
-                continue
-            (model, lora), restore = build(name, column, device, tiny)
-            dtype = next(model.parameters()).dtype
-            try:
-                ms, peak, loss = step_ms(model, batch, 2 if tiny else 3, device)
-            except torch.OutOfMemoryError:
-                ms, peak, loss = float("nan"), -1, float("nan")
-            finally:
-                restore()
-            peak_gib = peak / 2**30 if peak >= 0 else None
-            records.append(
-                {
-                    "model": name,
-                    "column": column,
-                    "step_ms": ms,
-                    "tokens_per_s": tokens / ms * 1000,
-                    "peak_gib": peak_gib,
-                    "tokens": tokens,
-                    "documents": len(lengths),
-                    "lora": lora,
-                    "layers": 2 if tiny else MODELS[name][2],
-                    "loss": loss,
-                    "dtype": str(dtype).split(".")[-1],
-                }
-            )
-            memory = f"peak {peak_gib:6.2f} GiB" if peak_gib is not None else "peak n/a (no GPU)"
-            print(
-                f"{name:14s} {column:22s} {ms:9.1f} ms/step  {tokens / ms * 1000:9.0f} tok/s  {memory}  "
-                f"loss {loss:.5f}",
-                flush=True,
-            )
-            del model
-            gc.collect()  # hooks and bound methods (fastft's, Liger's, PEFT's) make cycles: free them before the next
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        for kind in kinds:
+            batches = stream_batches(name, kind, tiny, warmup + steps, device)
+            for column in columns(device, only_columns):
+                if why_not_on(column, name):
+                    continue
+                records.append(_run_column(name, kind, column, device, tiny, batches, warmup))
+                _print(records[-1])
+                gc.collect()  # hooks and bound methods (fastft's, Liger's, PEFT's) make cycles: free them now
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     return records
 
 
+def _run_column(name: str, kind: str, column: str, device, tiny: bool, batches: list, warmup: int) -> dict:
+    _reset_compiles()
+    (model, lora), restore = build(name, column, device, tiny)
+    dtype = str(next(model.parameters()).dtype).split(".")[-1]
+    try:
+        result = train(model, [step_inputs(column, b, name, tiny) for b in batches], warmup, device)
+    except torch.OutOfMemoryError:
+        nan = [float("nan")] * len(batches)
+        result = Steps(nan, nan, [0] * len(batches), [0] * len(batches), -1)
+    finally:
+        restore()
+        del model
+    timed = batches[warmup:]
+    timed_s = sum(result.seconds[warmup:])
+    tokens = [b.num_tokens for b in timed]
+    fed = [sum(p["input_ids"].numel() for p, _ in micro_batches(step_inputs(column, b, name, tiny))) for b in timed]
+    return {
+        "model": name,
+        "stream": kind,
+        "column": column,
+        "leaks": leaks(column, name) is not None,  # documents of a row see each other (see fastft.bench.columns)
+        "padded": COLUMNS[column].padded,  # trained on the documents padded, in micro-batches
+        "padding": 1 - sum(tokens) / sum(fed),  # share of the timed steps' model inputs that is padding
+        "layers": model_config(name, tiny).num_hidden_layers,
+        "dtype": dtype,
+        "lora": lora,
+        "warmup": warmup,
+        "steps": len(timed),
+        "tokens_per_s": sum(tokens) / timed_s,  # real tokens over the timed steps' wall time
+        "step_ms": timed_s / len(timed) * 1000,  # mean of the timed steps
+        "first_steps_s": sum(result.seconds[:warmup]),  # wall time of the first steps together
+        "total_s": sum(result.seconds),  # all steps, first ones included: what a run of this length takes
+        "first_step_s": result.seconds[:warmup],
+        "step_s": result.seconds[warmup:],
+        "peak_gib": result.peak_bytes / 2**30 if result.peak_bytes >= 0 else None,
+        "compiles_first": sum(result.compiles[:warmup]),  # graphs torch.compile compiled in the first steps
+        "compiles_timed": sum(result.compiles[warmup:]),  # ... and in the timed steps
+        "recompiling_steps": sum(1 for n in result.compiles[warmup:] if n),  # timed steps that compiled
+        "captures_first": sum(result.captures[:warmup]),  # fastft.graphs captures in the first steps
+        "captures_timed": sum(result.captures[warmup:]),  # ... and in the timed steps
+        "tokens_min": min(tokens),
+        "tokens_max": max(tokens),
+        "documents": statistics.mean(len(b.seq_lengths) for b in timed),  # per timed row
+        "losses": result.losses,  # every step's, first steps included
+        "loss": result.losses[0],
+    }
+
+
+def _print(r: dict) -> None:
+    memory = f"peak {r['peak_gib']:6.2f} GiB" if r["peak_gib"] is not None else "peak n/a (no GPU)"
+    compiles = f"  torch.compile {r['compiles_first']} + {r['compiles_timed']}" if _compiled(r) else ""
+    if _captured(r):
+        compiles += f"  graph captures {r['captures_first']} + {r['captures_timed']}"
+    leak = "  (leaks across documents)" if r.get("leaks") else ""
+    print(
+        f"{r['model']:14s} {r['stream']:12s} {r['column'] + leak:22s} {r['tokens_per_s']:9.0f} tok/s "
+        f"{r['step_ms']:9.1f} ms/step  first {r['warmup']} steps {r['first_steps_s']:7.1f} s  {memory}{compiles}  "
+        f"loss {r['loss']:.5f}",
+        flush=True,
+    )
+
+
+def _compiled(r: dict) -> bool:
+    return bool(r["compiles_first"] or r["compiles_timed"])
+
+
+def _captured(r: dict) -> bool:
+    return bool(r["captures_first"] or r["captures_timed"])
+
+
+def _tolerance(dtype: str) -> float:
+    return 2e-2 if dtype == "bfloat16" else 1e-4
+
+
+REFERENCES = ("naive glue", "stock sdpa", "stock sdpa, padded")  # the loss check's, first that ran and is correct
+
+
+def loss_check(records: list[dict]) -> tuple[bool, str]:
+    """(fastft agrees, one line per model and stream): each column's loss at every step on the same weights
+    and stream against the first of ``REFERENCES`` that ran and does not leak (``leaks``): ``naive glue``
+    (documents kept apart by a plain mask; not on models whose layers mix tokens outside attention),
+    ``stock sdpa`` (not there either, nor on gpt-oss, whose stock attention lets documents see each other),
+    ``stock sdpa, padded`` (each document in its own row), within 1e-4 relative in fp32 and 2e-2 in bf16
+    (kernels sum in other orders). A fastft column outside that at any step fails the check; another column
+    outside it is reported (a leaking one as such)."""
+    ok, lines = True, []
+    for name, kind in dict.fromkeys((r["model"], r["stream"]) for r in records):
+        rows = {
+            r["column"]: r
+            for r in records
+            if (r["model"], r["stream"]) == (name, kind) and all(map(math.isfinite, r["losses"]))
+        }
+        reference = next((c for c in REFERENCES if c in rows and not leaks(c, name)), None)
+        if reference is None:
+            continue
+        base = rows[reference]
+        tol = _tolerance(base["dtype"])
+        parts = []
+        for column, r in rows.items():
+            if column == reference:
+                continue
+            rel = [abs(a - b) / max(abs(b), 1e-6) for a, b in zip(r["losses"], base["losses"])]
+            worst = max(range(len(rel)), key=rel.__getitem__)
+            good = rel[worst] <= tol
+            note = f"'{column}' {rel[worst]:.1e} (step {worst})"
+            if COLUMNS[column].fastft:
+                ok &= good
+                parts.append(note + ("" if good else " FAILS"))
+            else:
+                leak = " (leaks across documents)" if r.get("leaks") else ""
+                parts.append(note + leak + ("" if good or leak else " (differs)"))
+        lines.append(
+            f"loss check {name}, {kind}: largest relative difference to {reference} over {len(base['losses'])} "
+            f"steps (tolerance {tol:g}; first loss {base['losses'][0]:.5f}): " + ", ".join(parts)
+        )
+    return ok, "\n".join(lines)
+
+
+LEGEND = """the e2e table:
+  tokens/s         real tokens of the timed steps over their wall time (steady state on the stream)
+  step ms          mean wall time of a timed step
+  first steps s    wall time of the untimed first steps (how many in brackets): compiles, autotune, CUDA graph
+                   captures
+  torch.compile    graphs torch.compile compiled in the first steps + in the timed steps ('-': none)
+  graph captures   fastft.graphs captures (one per layer and signature) in the first steps + in the timed
+                   steps ('-': none)
+  ms / fastft's    this column's step ms over the fastft column's, same model and stream (above 1.00x: slower)
+  vs fastest peer  fastft columns: this column's tokens/s / the highest tokens/s among the peer columns (stock *,
+                   liger + stock flex) that do not leak, on the same model and stream, that peer named (above
+                   1.00x: fastft is faster)
+  (leaks across documents)  after a column: on this model its packed rows let each document see the ones
+                   before it (stock packing on models whose layers mix tokens outside attention, e.g. Qwen3.5's
+                   Gated DeltaNet; stock gpt-oss); its losses are not the documents' own
+  padded           the padded columns' tokens/s counts the documents' tokens only; padding is the share of
+                   their model inputs that is padding"""
+
+
 def format_table(records: list[dict]) -> str:
-    """One row per (model, column): time, tokens/s, peak memory; each column's time over fastft's, and each
-    fastft column's speedup over the fastest peer column of its model (named)."""
-    by = {(r["model"], r["column"]): r for r in records}
+    """One row per (model, stream, column); ``LEGEND`` says what each column of it holds."""
+    by = {(r["model"], r["stream"], r["column"]): r for r in records}
     lines = [
-        "| model | layers | tokens | column | step ms | tokens/s | peak GiB | ms / fastft's | vs fastest peer |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | layers | stream | tokens/step | column | tokens/s | step ms | first steps s | torch.compile "
+        "| graph captures | peak GiB | ms / fastft's | vs fastest peer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        ours = by.get((r["model"], "fastft"))
+        key = (r["model"], r["stream"])
+        ours = by.get((*key, "fastft"))
         ratio = f"{r['step_ms'] / ours['step_ms']:.2f}x" if ours and r["column"] != "fastft" else "-"
         peers = [
-            p for p in records if p["model"] == r["model"] and p["column"] in PEERS and math.isfinite(p["step_ms"])
+            p
+            for p in records
+            if (p["model"], p["stream"]) == key
+            and COLUMNS[p["column"]].peer
+            and not p.get("leaks")
+            and math.isfinite(p["tokens_per_s"])
         ]
-        best = min(peers, key=lambda p: p["step_ms"]) if peers else None
+        best = max(peers, key=lambda p: p["tokens_per_s"]) if peers else None
         versus = (
-            f"{best['step_ms'] / r['step_ms']:.2f}x ({best['column']})"
-            if best and r["column"].startswith("fastft")
+            f"{r['tokens_per_s'] / best['tokens_per_s']:.2f}x ({best['column']})"
+            if best and COLUMNS[r["column"]].fastft
             else "-"
         )
         peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "n/a"
+        tokens = f"{r['tokens_min']}" if r["tokens_min"] == r["tokens_max"] else f"{r['tokens_min']}-{r['tokens_max']}"
+        compiles = f"{r['compiles_first']} + {r['compiles_timed']}" if _compiled(r) else "-"
+        captures = f"{r['captures_first']} + {r['captures_timed']}" if _captured(r) else "-"
+        column = r["column"] + (" (leaks across documents)" if r.get("leaks") else "")
+        if r.get("padded"):
+            column += f" ({r['padding']:.0%} padding)"
         lines.append(
-            f"| {r['model']} | {r['layers']} | {r['tokens']} | {r['column']} | {r['step_ms']:.1f} | "
-            f"{r['tokens_per_s']:.0f} | {peak} | {ratio} | {versus} |"
+            f"| {r['model']} | {r['layers']} | {r['stream']} | {tokens} | {column} | {r['tokens_per_s']:.0f} | "
+            f"{r['step_ms']:.1f} | {r['first_steps_s']:.1f} ({r['warmup']}) | {compiles} | {captures} | {peak} | "
+            f"{ratio} | {versus} |"
         )
     return "\n".join(lines)
 
 
 def chart(records: list[dict], path: str) -> bool:
-    """Bar chart of tokens/s per model and column, if matplotlib is installed."""
+    """Bar chart of tokens/s per (model, stream) and column, if matplotlib is installed."""
     try:
         import matplotlib
 
@@ -446,16 +452,20 @@ def chart(records: list[dict], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    names = list(dict.fromkeys(r["model"] for r in records))
-    columns = [c for c in COLUMNS if any(r["column"] == c for r in records)]
+    groups = list(dict.fromkeys((r["model"], r["stream"]) for r in records))
+    names = [c for c in COLUMNS if any(r["column"] == c for r in records)]
     fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.8 / len(columns)
-    for i, c in enumerate(columns):
-        values = [next((r["tokens_per_s"] for r in records if r["model"] == n and r["column"] == c), 0) for n in names]
-        ax.bar([x + i * width for x in range(len(names))], values, width, label=c)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names)
-    ax.set_ylabel("tokens/s")
+    width = 0.8 / len(names)
+    for i, c in enumerate(names):
+        values = [_find(records, g, c).get("tokens_per_s", 0) for g in groups]
+        ax.bar([x + i * width for x in range(len(groups))], values, width, label=c)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))], [f"{m}\n{s}" for m, s in groups])
+    ax.set_ylabel("tokens/s (stream, steady state)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     return True
+
+
+def _find(records: list[dict], group: tuple, column: str) -> dict:
+    return next((r for r in records if (r["model"], r["stream"]) == group and r["column"] == column), {})

@@ -8,12 +8,20 @@ import torch
 import torch.nn.functional as F
 
 from .common import Row, time_ms
+from .models import MODEL_CONFIGS
+
+
+def _projection(name: str, proj: str) -> tuple[int, int]:
+    """(in features, out features) of a model's ``proj`` layer, from the model table."""
+    f = MODEL_CONFIGS[name][1]
+    hidden, inter, q = f["hidden_size"], f["intermediate_size"], f["num_attention_heads"] * f["head_dim"]
+    return {"q_proj": (hidden, q), "gate_proj": (hidden, inter), "down_proj": (inter, hidden)}[proj]
+
 
 # name -> (in features, out features), rank 16
 SHAPES = {
-    "Qwen3-0.6B gate_proj": (1024, 3072),
-    "Llama-3.2-1B q_proj": (2048, 2048),
-    "Qwen3-8B down_proj": (12288, 4096),
+    f"{name} {proj}": _projection(name, proj)
+    for name, proj in (("Qwen3-0.6B", "gate_proj"), ("Llama-3.2-1B", "q_proj"), ("Qwen3-8B", "down_proj"))
 }
 
 

@@ -19,11 +19,15 @@ import fastft
 from fastft import offload
 
 from .common import Row, time_ms
+from .models import MODEL_CONFIGS
 
-# name -> (hidden, heads, kv heads, head dim, intermediate)
+_QWEN = MODEL_CONFIGS["Qwen3-0.6B"][1]
+# name -> (hidden, heads, kv heads, head dim, intermediate); Llama-3.1-8B is not in the model table (no e2e run)
 SHAPES = {
     "Llama-3.1-8B": (4096, 32, 8, 128, 14336),
-    "Qwen3-0.6B": (1024, 16, 8, 128, 3072),
+    "Qwen3-0.6B": tuple(
+        _QWEN[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+    ),
 }
 CASES = [("Llama-3.1-8B", 8192), ("Llama-3.1-8B", 16384), ("Qwen3-0.6B", 16384)]
 LAYERS = 8

@@ -6,8 +6,9 @@ import torch
 
 import fastft
 from fastft import dispatch, packing
+from fastft.checks import BLOCK_MASK_FIELDS
 from fastft.reference import packing as reference
-from fastft.testing import BLOCK_MASK_FIELDS, assert_same
+from fastft.testing import assert_same
 from fastft.testing import packed_position_ids as documents
 
 from .common import Row, host_us, time_ms, write_bandwidth_ms

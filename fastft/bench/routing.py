@@ -6,9 +6,10 @@ import torch
 
 import fastft
 from fastft import dispatch, routing
+from fastft.bench.models import MOE_SHAPES as SHAPES
+from fastft.checks import routing_fields
 from fastft.reference import routing as reference
-from fastft.testing import MOE_SHAPES as SHAPES
-from fastft.testing import assert_same, router_ids, routing_fields
+from fastft.testing import assert_same, router_ids
 
 from .common import Row, graph_ms, host_us, time_ms
 

@@ -10,7 +10,7 @@ warns once when it does:
 - ``LigerExperts`` blocks run ``routed_experts`` (same weights, SiLU gate);
 - Liger's instance forwards are taken off transformers' blocks, at ``apply`` and, for a patch made later
   (``Trainer`` applies Liger inside ``train()``), at the next forward;
-- ``revert`` puts Liger's back.
+- ``revert`` puts Liger's back (each step records its undo in the model's ``ModelState``).
 
 Liger's other kernels (RMSNorm, rotary, SwiGLU MLP, fused linear cross entropy) compose with fastft as
 they are. liger_kernel is never imported here: its modules are recognised by their module name.
@@ -25,7 +25,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .transformers import decoder_stack, is_experts_block, routed_experts
+from ..experts import routed_experts
+from .models import decoder_stack, experts_blocks, hf_model, model_state
+
+__all__ = ["is_liger_experts", "liger_experts_forward", "route_liger_experts", "keep_fastft_experts"]
 
 
 def _from_liger(obj) -> bool:
@@ -63,13 +66,14 @@ def liger_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return out.view(shape)
 
 
-def route_liger_experts(model, state: dict) -> int:
-    """Run every ``LigerExperts`` block of ``model`` through fastft (warns once); returns how many."""
+def route_liger_experts(model) -> int:
+    """Run every ``LigerExperts`` block of ``model`` through fastft (warns once); returns how many. ``revert``
+    gives them back to Liger."""
     blocks = [m for m in model.modules() if is_liger_experts(m) and "forward" not in m.__dict__]
     for block in blocks:
         block.forward = types.MethodType(liger_experts_forward, block)
-    state.setdefault("liger_experts", []).extend(blocks)
     if blocks:
+        model_state(hf_model(model)).undo.append(functools.partial(_give_back, blocks))
         warnings.warn(
             f"fastft runs the {len(blocks)} LigerExperts blocks (Liger-Kernel's swiglu=True) through its own "
             "experts path; revert(model) gives them back to Liger",
@@ -78,38 +82,51 @@ def route_liger_experts(model, state: dict) -> int:
     return len(blocks)
 
 
-def _unpatch(state: dict, when: str) -> None:
-    taken = state.setdefault("liger_forwards", {})
-    patched = [b for b in state["experts_blocks"] if _liger_forward(b)]
-    for block in patched:
-        taken[block] = {k: block.__dict__.pop(k) for k in ("forward", "_get_name") if k in block.__dict__}
-    if patched:
-        warnings.warn(
-            f"Liger-Kernel's swiglu patch replaced the forward of {len(patched)} experts blocks {when}; fastft "
-            "keeps its own experts path there (pass swiglu=False to Liger to silence this)",
-            stacklevel=3,
-        )
-
-
-def _check_experts(state: dict, module, args) -> None:
-    if any("forward" in b.__dict__ for b in state["experts_blocks"]):
-        _unpatch(state, "after fastft's apply")
-
-
-def keep_fastft_experts(model, state: dict) -> None:
-    """Take Liger's instance forwards off ``model``'s transformers experts blocks, now and (through a forward
-    pre-hook on the decoder stack) whenever they come back."""
-    state["experts_blocks"] = [m for m in model.modules() if is_experts_block(m)]
-    _unpatch(state, "before fastft's apply")
-    if "experts_hook" not in state:
-        state["experts_hook"] = decoder_stack(model).register_forward_pre_hook(functools.partial(_check_experts, state))
-
-
-def revert(state: dict) -> None:
-    """Undo the above from ``apply``'s recorded ``state``: Liger's forwards and blocks back to Liger."""
-    if "experts_hook" in state:
-        state["experts_hook"].remove()
-    for block, attributes in state.get("liger_forwards", {}).items():
-        block.__dict__.update(attributes)
-    for block in state.get("liger_experts", []):
+def _give_back(blocks) -> None:
+    for block in blocks:
         block.__dict__.pop("forward", None)
+
+
+class _Kept:
+    """``keep_fastft_experts``' record: the experts blocks it watches and the Liger attributes taken off."""
+
+    def __init__(self) -> None:
+        self.blocks = []
+        self.taken = {}  # block -> its instance attributes from Liger (forward, _get_name)
+
+    def unpatch(self, when: str) -> None:
+        patched = [b for b in self.blocks if _liger_forward(b)]
+        for block in patched:
+            self.taken[block] = {k: block.__dict__.pop(k) for k in ("forward", "_get_name") if k in block.__dict__}
+        if patched:
+            warnings.warn(
+                f"Liger-Kernel's swiglu patch replaced the forward of {len(patched)} experts blocks {when}; fastft "
+                "keeps its own experts path there (pass swiglu=False to Liger to silence this)",
+                stacklevel=3,
+            )
+
+    def check(self, module, args) -> None:  # forward pre-hook of the decoder stack
+        if any("forward" in b.__dict__ for b in self.blocks):
+            self.unpatch("after fastft's apply")
+
+    def give_back(self) -> None:
+        for block, attributes in self.taken.items():
+            block.__dict__.update(attributes)
+
+
+def keep_fastft_experts(model) -> None:
+    """Take Liger's instance forwards off ``model``'s transformers experts blocks, now and (through a forward
+    pre-hook on the decoder stack) whenever they come back; ``revert`` puts them back."""
+    state = model_state(hf_model(model))
+    kept = state.records.get("liger_forwards")
+    if kept is None:
+        kept = _Kept()
+        hook = decoder_stack(model).register_forward_pre_hook(kept.check)
+
+        def undo():
+            hook.remove()
+            kept.give_back()
+
+        state.add("liger_forwards", kept, undo)
+    kept.blocks = experts_blocks(model)
+    kept.unpatch("before fastft's apply")

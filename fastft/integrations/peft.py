@@ -1,4 +1,5 @@
-"""PEFT integration: LoRA linear layers through ``fastft.lora.lora_linear``.
+"""PEFT integration: LoRA linear layers through ``fastft.lora.lora_linear``, and LoRA on MoE experts'
+weights (``target_parameters``) through fastft's experts path without forming ``W + B A``.
 
     model = peft.get_peft_model(model, config)
     fastft.integrations.peft.use_lora(model)   # or fastft.integrations.transformers.apply(model)
@@ -7,16 +8,33 @@ Each PEFT LoRA ``Linear`` keeps its modules, parameters and state dict; only its
 for plain LoRA: one active adapter, no dropout, no DoRA or other variant, no LoRA bias, not merged,
 adapters enabled, an ``nn.Linear`` base layer with frozen weights of the input's dtype, no autocast, no
 ``adapter_names``, no weight that is still a ``DTensor`` at forward (an adapter that is an FSDP2 unit of its
-own, or tensor parallelism). Anything else runs PEFT's own forward. peft is imported only by the functions here.
+own, or tensor parallelism). Anything else runs PEFT's own forward.
+
+LoRA on the experts: PEFT's ``ParamWrapper`` (one per targeted weight, nested, around a transformers experts
+block) registers ``W + scaling * B A`` as a parametrization of the weight for each forward (and recompute),
+a tensor the size of every expert's weight. The outermost wrapper's forward is routed instead to the block's
+fastft forward (``experts_forward``, keyword ``EXPERT_LORA_KWARG``) with the adapters as per-expert
+``fastft.experts.ExpertLoRA`` views (``lora_A.weight [E*r, in]`` is expert-major; ``lora_B.weight
+[out, r*E]`` holds expert ``e`` in columns ``e::E``), so that only the low-rank products over routed rows
+run. Only for: the block on fastft's experts path (``use_moe``; else PEFT's path on whatever implementation
+the model has), the up (gate-up) and down weights targeted, one active adapter (several: PEFT's path, with a
+warning), not merged, adapters enabled, no autocast, no extra arguments, weights in fp32/bf16/fp16, no
+``DTensor``. PEFT refuses ``lora_dropout``, DoRA and LoRA bias on ``target_parameters`` itself. peft is
+imported only by the functions here.
 """
 
 from __future__ import annotations
 
 import types
+import warnings
 
 import torch
 
+from ..experts import ExpertLoRA
 from ..lora import lora_linear
+from .models import is_experts_block
+
+__all__ = ["use_lora", "revert_lora", "has_lora"]
 
 
 def _plain_adapter(layer, x: torch.Tensor, args, kwargs):
@@ -68,36 +86,116 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     )
 
 
-def use_lora(model):
-    """Route every PEFT LoRA ``Linear`` of ``model`` through ``lora_linear`` (see the module docstring);
-    returns the model. Raises ``ValueError`` if the model has no PEFT LoRA linear layer."""
+_EXPERT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # PEFT upcasts others (fp8) to add B A
+
+
+def _param_wrapper():
+    """PEFT's ``ParamWrapper`` class (``target_parameters``), or None in a PEFT without it."""
+    from peft.tuners.lora import layer
+
+    return getattr(layer, "ParamWrapper", None)
+
+
+def _expert_adapters(wrapper, x: torch.Tensor, args, kwargs):
+    """``(experts block, {weight name: ExpertLoRA})`` if fastft's experts path computes exactly the LoRA of
+    these nested ``ParamWrapper``s (``wrapper`` the outermost), else None."""
+    from .transformers.experts import EXPERTS_IMPLEMENTATION, lora_weights
+
+    if kwargs or len(args) != 2 or not x.is_floating_point() or torch.is_autocast_enabled(x.device.type):
+        return None
+    chain, block, wrapper_cls = [], wrapper, _param_wrapper()
+    while isinstance(block, wrapper_cls):
+        chain.append(block)
+        block = block.base_layer
+    if getattr(getattr(block, "config", None), "_experts_implementation", None) != EXPERTS_IMPLEMENTATION:
+        return None  # the user's own experts implementation: PEFT's path on it
+    adapters = {}
+    for layer in chain:
+        if layer.disable_adapters or layer.merged or layer.parameter_name not in lora_weights(block):
+            return None
+        active = [a for a in layer.active_adapters if a in layer.lora_A]
+        if len(active) > 1:
+            warnings.warn(
+                f"{len(active)} active LoRA adapters on {layer.parameter_name}: PEFT's forward, which forms "
+                "W + B A for every expert (fastft's experts path takes one active adapter)",
+                stacklevel=3,
+            )
+            return None
+        if not active:
+            continue
+        name = active[0]
+        param, lora_a, lora_b = layer.get_param(), layer.lora_A[name].weight, layer.lora_B[name].weight
+        if (
+            name in getattr(layer, "lora_variant", {})
+            or layer.use_dora.get(name, False)
+            or layer.lora_B[name].bias is not None
+            or not isinstance(layer.lora_dropout[name], torch.nn.Identity)
+            or param.dim() != 3
+            or param.dtype not in _EXPERT_DTYPES
+            or any(_is_dtensor(t) for t in (param, lora_a, lora_b))
+        ):
+            return None
+        experts = layer.num_experts
+        adapters[layer.parameter_name] = ExpertLoRA(
+            lora_a.reshape(experts, -1, lora_a.shape[-1]),  # [E, r, in]
+            lora_b.reshape(lora_b.shape[0], -1, experts).permute(2, 0, 1),  # [E, out, r]
+            layer.scaling[name],
+        )
+    return (block, adapters) if adapters else None
+
+
+def _experts_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    from .transformers.experts import EXPERT_LORA_KWARG
+
+    found = _expert_adapters(self, x, args, kwargs)
+    if found is None:
+        return type(self).forward(self, x, *args, **kwargs)
+    block, adapters = found
+    return block(x, *args, **{EXPERT_LORA_KWARG: adapters})  # the block's hooks run, as under PEFT's forward
+
+
+def _lora_layers(model) -> tuple[list, list]:
+    """PEFT LoRA ``Linear`` layers, and the outermost ``ParamWrapper`` around each transformers experts block."""
     from peft.tuners.lora.layer import Linear
 
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    if not layers:
+    wrapper_cls = _param_wrapper()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    wrappers = [m for m in model.modules() if wrapper_cls is not None and isinstance(m, wrapper_cls)]
+    inner = {id(w.base_layer) for w in wrappers}
+    outer = [w for w in wrappers if id(w) not in inner and is_experts_block(w.get_base_layer())]
+    return linears, outer
+
+
+def use_lora(model):
+    """Route every PEFT LoRA ``Linear`` of ``model`` through ``lora_linear``, and the LoRA on its experts'
+    weights (PEFT ``target_parameters``) through fastft's experts path (see the module docstring); returns the
+    model. Raises ``ValueError`` if the model has neither."""
+    linears, wrappers = _lora_layers(model)
+    if not linears and not wrappers:
         raise ValueError(
-            f"{type(model).__name__} has no PEFT LoRA Linear layers (wrap it with peft.get_peft_model first)"
+            f"{type(model).__name__} has no PEFT LoRA Linear layers or LoRA on experts' weights (wrap it with "
+            "peft.get_peft_model first)"
         )
-    for layer in layers:
+    for layer in linears:
         layer.forward = types.MethodType(_forward, layer)
+    for wrapper in wrappers:
+        wrapper.forward = types.MethodType(_experts_forward, wrapper)
     return model
 
 
 def revert_lora(model):
-    """Put every PEFT LoRA ``Linear`` that ``use_lora`` routed back on PEFT's forward; returns the model."""
-    from peft.tuners.lora.layer import Linear
-
+    """Put every PEFT LoRA layer that ``use_lora`` routed back on PEFT's forward; returns the model."""
     for layer in model.modules():
         forward = layer.__dict__.get("forward")
-        if isinstance(layer, Linear) and getattr(forward, "__func__", None) is _forward:
+        if getattr(forward, "__func__", None) in (_forward, _experts_forward):
             del layer.forward
     return model
 
 
 def has_lora(model) -> bool:
-    """Whether ``model`` holds PEFT LoRA linear layers (False when peft is not installed)."""
+    """Whether ``model`` holds PEFT LoRA layers ``use_lora`` routes (False when peft is not installed)."""
     try:
-        from peft.tuners.lora.layer import Linear
+        linears, wrappers = _lora_layers(model)
     except ImportError:
         return False
-    return any(isinstance(m, Linear) for m in model.modules())
+    return bool(linears or wrappers)

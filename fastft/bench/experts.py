@@ -1,0 +1,133 @@
+"""Benchmark for the experts op (``fastft.experts.routed_experts``) inside a real transformers MoE experts block,
+forward + backward, with transformers' own experts implementations and with fastft's (``use_moe``'s path);
+and with PEFT ``target_parameters`` LoRA (r=16) on its weights: PEFT's forward (``W + scaling B A`` formed
+for every expert, then fastft's experts path) against fastft's low-rank grouped GEMMs (``use_lora``), time
+and peak memory (the weights frozen, as in LoRA fine-tuning)."""
+
+from __future__ import annotations
+
+import torch
+
+from .common import Row, time_ms
+
+LORA_RANK = 16
+
+# name -> (config class, experts class, config fields)
+SHAPES = {
+    "Qwen3-30B-A3B": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeExperts",
+        dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8),
+    ),
+    "gpt-oss-20b": (
+        "GptOssConfig",
+        "GptOssExperts",
+        dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4),
+    ),
+}
+TINY = {
+    "Qwen3-30B-A3B": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+    "gpt-oss-20b": dict(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+}
+
+
+def run(device: torch.device, quick: bool) -> list[Row]:
+    try:
+        import transformers
+        from transformers.models.gpt_oss import modeling_gpt_oss
+        from transformers.models.qwen3_moe import modeling_qwen3_moe
+    except ImportError:
+        print("transformers is not installed: skipping the transformers MoE experts benchmark")
+        return []
+    import fastft.integrations.transformers as ft_hf
+    from fastft import dispatch, routing
+
+    ft_hf.register()
+    modules = {"Qwen3MoeExperts": modeling_qwen3_moe, "GptOssExperts": modeling_gpt_oss}
+    gpu = device.type == "cuda"
+    backend = dispatch.backend_for(routing.OP_ROUTE, device)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    tokens = 16384 if gpu and not quick else 64
+    rows = []
+    for name, (config_cls, experts_cls, fields) in SHAPES.items():
+        fields = TINY[name] if tokens == 64 else fields
+        config = getattr(transformers, config_cls)(**fields)
+        torch.manual_seed(0)
+        experts = getattr(modules[experts_cls], experts_cls)(config).to(device, dtype)
+        with torch.no_grad():
+            for p in experts.parameters():
+                p.normal_(0, 0.02)
+        e, k, h = experts.num_experts, config.num_experts_per_tok, fields["hidden_size"]
+        x = torch.randn(tokens, h, device=device, dtype=dtype, requires_grad=True)
+        logits = torch.randn(tokens, e, device=device)
+        weights, ids = logits.softmax(-1).topk(k, dim=-1)
+        weights = weights.to(dtype).requires_grad_()
+
+        def step():
+            experts(x, ids, weights).float().square().mean().backward()
+
+        times = {}
+        for impl in ("eager", "grouped_mm", ft_hf.EXPERTS_IMPLEMENTATION):
+            config._experts_implementation = impl
+            times[impl] = time_ms(step, device, rep_ms=500 if gpu else 50)
+        shape = f"{name} experts, {tokens} tokens (E={e}, K={k}, H={h}), fwd+bwd"
+        for impl in ("eager", "grouped_mm"):
+            rows.append(
+                Row("transformers MoE experts", shape, f"transformers {impl}", times[impl], times["fastft"], backend)
+            )
+        if gpu or name == "gpt-oss-20b":  # CPU: one shape (transposed, biases); each step runs the interpreter
+            rows += _lora_rows(experts, x, ids, weights, shape, backend, device, 500 if gpu else 50)
+        del experts, x
+    return rows
+
+
+def _peak_gib(fn, device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def _lora_rows(experts, x, ids, weights, shape, backend, device, rep_ms) -> list[Row]:
+    """One experts block (on fastft's experts path) with PEFT LoRA on ``gate_up_proj`` and ``down_proj``:
+    PEFT's forward against ``fastft.integrations.peft.use_lora``'s, weights frozen, adapters training; and
+    fastft's block without LoRA, weights frozen too (the step LoRA is added to)."""
+    try:
+        import peft
+    except ImportError:
+        print("peft is not installed: skipping the LoRA-on-experts rows")
+        return []
+    from fastft.integrations import peft as ft_peft
+
+    experts.requires_grad_(False)
+    plain_ms = time_ms(lambda: experts(x, ids, weights).float().square().mean().backward(), device, rep_ms=rep_ms)
+    holder = torch.nn.Module()
+    holder.experts = experts
+    config = peft.LoraConfig(
+        r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_parameters=["experts.gate_up_proj", "experts.down_proj"]
+    )
+    peft.inject_adapter_in_model(config, holder)
+    with torch.no_grad():
+        for n, p in holder.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)  # PEFT starts B at zero
+
+    def step():
+        holder.experts(x, ids, weights).float().square().mean().backward()
+        holder.zero_grad(set_to_none=True)
+
+    try:
+        peft_ms, peft_peak = time_ms(step, device, rep_ms=rep_ms), _peak_gib(step, device)
+    except torch.OutOfMemoryError:
+        peft_ms = peft_peak = None
+    ft_peft.use_lora(holder)
+    ours_ms, ours_peak = time_ms(step, device, rep_ms=rep_ms), _peak_gib(step, device)
+    ft_peft.revert_lora(holder)
+    note = f"r={LORA_RANK}; fastft without LoRA (frozen weights) {plain_ms:.3f} ms, x{ours_ms / plain_ms:.2f} with"
+    if ours_peak is not None:
+        note += f"; peak {ours_peak:.2f} GiB vs " + ("out of memory" if peft_peak is None else f"{peft_peak:.2f} GiB")
+    return [Row("MoE experts + LoRA on experts", shape, "PEFT's forward (W + B A)", peft_ms, ours_ms, backend, note)]

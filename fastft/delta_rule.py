@@ -1,0 +1,324 @@
+"""The gated delta rule (Gated DeltaNet: Qwen3.5, Qwen3.5-MoE, Qwen3-Next) over packed documents.
+
+``gated_delta_rule(q, k, v, g, beta, info)`` is transformers 5.17's ``torch_chunk_gated_delta_rule`` with the
+recurrent state reset to 0 at every document of ``info``: on a row that holds one document it computes the
+same thing; on a packed row no document sees the state of the one before it. The specification is the
+token-by-token loop in ``fastft/reference/delta_rule.py``.
+
+The op runs the chunked WY/UT-transform algorithm on a chunk layout in which no chunk spans two documents.
+``chunk_table(info, chunk_size)`` builds that layout: tokens are gathered into ``[num_chunks_bound,
+chunk_size]`` slots (empty slots hold zeros: g = 0, beta = 0, q = k = v = 0), the intra-chunk part runs
+batched over all chunks in torch (autograd for its backward), the state is carried from chunk to chunk and
+zeroed where a chunk starts a document, and the outputs are gathered back. That carry (the sequential part)
+has two backends: ``triton`` (``chunk_scan_op``: a Triton scan forward and a reverse scan backward,
+``kernels/delta_rule.py``) and ``torch`` (``scan_chunks``, a Python loop over chunks, autograd for the
+backward; the specification of the Triton scan). The Triton backward reads the entering states the forward
+returned (the op keeps them anyway, for ``query @ states``) and writes the gradient of every chunk's leaving
+state, one more fp32 ``[H, num_chunks_bound, Dk, Dv]`` tensor (64 KiB per chunk and head at 128 x 128: 270
+MiB at T=8192, 32 heads, chunk 64) alive during the op's backward.
+
+GPU syncs: none when ``info`` came from host lengths / ``cu_seqlens``; from device position ids, the one
+``PackedSeqInfo`` makes when ``num_seqs`` is first read (the chunk layout's size is bounded by it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+
+from . import autotune, dispatch
+from ._checks import int_arg, number_arg
+from ._custom_op import custom_op
+from .packing import PackedSeqInfo
+from .reference.delta_rule import l2norm
+
+MAX_CHUNK_SIZE = 256
+
+OP_DELTA_RULE = dispatch.register("delta_rule.gated_delta_rule")
+# Launch parameters only; dispatched with the op.
+OP_SCAN = "delta_rule.chunk_scan"
+OP_SCAN_BACKWARD = "delta_rule.chunk_scan_backward"
+# A fixed configuration (the forward kernel's choice): 32 value columns of the state per program, 128 programs
+# at 32 heads of 128. The interpreter's 16 makes small test inputs span several programs.
+for _op in (OP_SCAN, OP_SCAN_BACKWARD):
+    autotune.register(_op, autotune.Tunable({"BV": 32, "num_warps": 4}, interpreter={"BV": 16}))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkTable:
+    """Chunks of at most ``chunk_size`` tokens that never span two documents, for one ``PackedSeqInfo``.
+
+    A document of length L starting at flat token s is cut into chunks starting at s, s + C, s + 2C, ...;
+    chunks are numbered in token order. Tensors are on the info's device; slots past ``num_chunks`` are
+    padding (``length`` 0).
+    """
+
+    chunk_size: int  # C: the most tokens in one chunk
+    num_chunks_bound: int  # host bound on the chunk count, every tensor's length: min(N, (N + num_seqs*(C-1)) // C)
+    num_chunks: torch.Tensor  # int64 0-dim: chunks actually used (the first ``num_chunks`` entries)
+    doc: torch.Tensor  # int32 [bound]: each chunk's document (global index); num_seqs for padding chunks
+    start: torch.Tensor  # int32 [bound]: flat index of each chunk's first token; num_tokens for padding chunks
+    length: torch.Tensor  # int32 [bound]: tokens in each chunk, 1..C; 0 for padding chunks
+    first: torch.Tensor  # bool [bound]: the chunk starts its document (the state is reset before it)
+    token_index: torch.Tensor  # int64 [bound, C]: the flat token in each slot (start + j), num_tokens if empty
+    slot: torch.Tensor  # int64 [num_tokens]: each token's slot in ``token_index.view(-1)`` (chunk * C + j)
+
+
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # info -> {chunk_size: ChunkTable}
+
+
+def _check_chunk_size(chunk_size) -> int:
+    chunk_size = int_arg("chunk_size", chunk_size, minimum=1)
+    if chunk_size > MAX_CHUNK_SIZE:
+        raise ValueError(f"chunk_size must be an int from 1 to {MAX_CHUNK_SIZE}, got {chunk_size}")
+    return chunk_size
+
+
+def chunk_table(info: PackedSeqInfo, chunk_size: int = 64) -> ChunkTable:
+    """The ``ChunkTable`` of ``info`` for ``chunk_size`` (1 to 256), built on the info's device from its
+    ``position_ids`` and ``doc_ids`` and kept for later calls with the same info. No GPU sync when the info
+    came from host lengths; from device position ids, reading ``num_seqs`` syncs once (per info)."""
+    if not isinstance(info, PackedSeqInfo):
+        raise TypeError(f"info must be a fastft.PackedSeqInfo, got {type(info).__name__}")
+    chunk_size = _check_chunk_size(chunk_size)
+    memo = not torch.compiler.is_compiling()
+    if memo and chunk_size in _tables.get(info, {}):
+        return _tables[info][chunk_size]
+    table = _build_table(info, chunk_size)
+    if memo:
+        _tables.setdefault(info, {})[chunk_size] = table
+    return table
+
+
+def _build_table(info: PackedSeqInfo, c: int) -> ChunkTable:
+    n, num_seqs, device = info.num_tokens, info.num_seqs, info.device
+    bound = min(n, (n + num_seqs * (c - 1)) // c)
+    pos = info.position_ids.reshape(-1)
+    offset = pos % c
+    starts_chunk = offset == 0
+    chunk = torch.cumsum(starts_chunk, 0) - 1
+    slot = chunk * c + offset
+    tokens = torch.arange(n, device=device)
+    token_index = torch.full((bound * c,), n, dtype=torch.int64, device=device).scatter_(0, slot, tokens)
+    token_index = token_index.view(bound, c)
+    start = token_index[:, 0]
+    # Per-token values with one more entry at index n, read by the padding chunks.
+    doc = torch.cat([info.doc_ids.reshape(-1), info.doc_ids.new_full((1,), num_seqs)])[start]
+    first = torch.cat([pos == 0, pos.new_zeros(1, dtype=torch.bool)])[start]
+    return ChunkTable(
+        chunk_size=c,
+        num_chunks_bound=bound,
+        num_chunks=starts_chunk.sum(),
+        doc=doc.to(torch.int32),
+        start=start.to(torch.int32),
+        length=(token_index < n).sum(1).to(torch.int32),
+        first=first,
+        token_index=token_index,
+        slot=slot,
+    )
+
+
+# ---- the op -------------------------------------------------------------------------------------------
+
+
+def _check(q, k, v, g, beta, info, scale, use_qk_l2norm, backend) -> str:
+    """Every argument check; returns the backend of the scan over chunks."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            raise ValueError(f"{name} must have a floating dtype, got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, Dk], got shape {tuple(q.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)} (repeat heads before the call), got {tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, Dv] with q's [B, T, H] = {tuple(q.shape[:3])}, got {tuple(v.shape)}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != q.shape[:3]:
+            raise ValueError(f"{name} must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(x.shape)}")
+    if not isinstance(info, PackedSeqInfo):
+        raise TypeError(f"info must be a fastft.PackedSeqInfo, got {type(info).__name__}")
+    if info.num_tokens != q.shape[0] * q.shape[1]:
+        raise ValueError(f"info has {info.num_tokens} tokens but q has B * T = {q.shape[0] * q.shape[1]}")
+    if info.device != q.device:
+        raise ValueError(f"info is on {info.device} but q is on {q.device}")
+    if scale is not None:
+        number_arg("scale", scale)
+    if not isinstance(use_qk_l2norm, bool):
+        raise TypeError(f"use_qk_l2norm must be a bool, got {type(use_qk_l2norm).__name__}")
+    return dispatch.backend_for(OP_DELTA_RULE, q.device, backend)
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    info: PackedSeqInfo,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """The gated delta rule with its state reset to 0 at every document of ``info``.
+
+    q, k ``[B, T, H, Dk]``; v ``[B, T, H, Dv]`` (heads already repeated to the value heads, as transformers
+    does before its call); g (log decay, <= 0: not checked, that would sync) and beta ``[B, T, H]``; any
+    floating dtypes. ``info``: the ``PackedSeqInfo`` of these ``B * T`` tokens, read in flat order.
+    ``use_qk_l2norm`` normalises q and k over the head dim (transformers' ``use_qk_l2norm_in_kernel``),
+    ``scale`` multiplies q (default ``Dk ** -0.5``). Returns o ``[B, T, H, Dv]`` in q's dtype; the math is
+    fp32 (autocast is off inside). No ``initial_state`` and no final state: every document starts from 0,
+    as in training. ``backend``: ``auto``, ``triton`` or ``torch`` (default ``FASTFT_BACKEND``): which
+    scan over chunks runs, the Triton kernels or the torch loop; the rest is torch either way.
+    Differentiable (works under ``torch.utils.checkpoint``).
+    """
+    chosen = _check(q, k, v, g, beta, info, scale, use_qk_l2norm, backend)
+    chunk_size = _check_chunk_size(chunk_size)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    if b * t == 0:
+        return q.new_zeros(b, t, h, dv)
+    table = chunk_table(info, chunk_size)
+    with torch.autocast(q.device.type, enabled=False):
+        o = _chunked(q, k, v, g, beta, table, scale, use_qk_l2norm, chosen)
+    return o.reshape(b, t, h, dv).to(q.dtype)
+
+
+def _chunked(q, k, v, g, beta, table: ChunkTable, scale: float, use_qk_l2norm: bool, backend: str) -> torch.Tensor:
+    """o ``[N, H, Dv]`` fp32 (a transposed view): transformers' chunked algorithm, its steps and names, on
+    ``table``'s layout; the scan over chunks on ``backend``."""
+    b, t, h, _ = q.shape
+    n, c, num_chunks = b * t, table.chunk_size, table.num_chunks_bound
+    q, k, v = (x.reshape(n, h, x.shape[-1]).float() for x in (q, k, v))
+    g, beta = (x.reshape(n, h, 1).float() for x in (g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * scale
+
+    def chunks(x):  # [N, H, D] -> [H, num_chunks, C, D], zeros in the empty slots
+        slots = x.new_zeros(h, num_chunks * c, x.shape[-1])
+        return slots.index_copy(1, table.slot, x.transpose(0, 1)).view(h, num_chunks, c, -1)
+
+    query, key, value = chunks(q), chunks(k), chunks(v)
+    beta, decay = chunks(beta).squeeze(-1), chunks(g).squeeze(-1)
+    v_beta = value * beta.unsqueeze(-1)
+    k_beta = key * beta.unsqueeze(-1)
+
+    strictly_upper_mask = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
+    cum_decay = decay.cumsum(dim=-1)
+    pairwise_decay = (cum_decay.unsqueeze(-1) - cum_decay.unsqueeze(-2)).masked_fill(strictly_upper_mask, float("-inf"))
+    pairwise_decay = pairwise_decay.exp()
+    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise_decay
+    intra_chunk_attn = (query @ key.transpose(-1, -2)) * pairwise_decay
+    decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+
+    query = query * cum_decay.exp().unsqueeze(-1)
+    key_decayed = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
+    scan = chunk_scan_op if backend == "triton" else scan_chunks
+    states, v_news = scan(k_cumdecay, new_values, key_decayed, cum_decay[..., -1].exp(), table.first)
+    out = query @ states + intra_chunk_attn @ v_news  # [H, num_chunks, C, Dv]
+    return out.view(h, num_chunks * c, -1).index_select(1, table.slot).transpose(0, 1)
+
+
+def scan_chunks(w, u, k_decayed, chunk_decay, first):
+    """The sequential part of the chunked algorithm, chunk after chunk, for each head: the state entering
+    chunk i (zeroed where ``first[i]``), the chunk's corrected values ``v_new = u - w @ state``, and the state
+    leaving it, ``state * chunk_decay + k_decayed^T @ v_new``.
+
+    w ``[H, NC, C, Dk]`` (transformers' ``k_cumdecay``), u ``[H, NC, C, Dv]`` (its ``new_values``),
+    k_decayed ``[H, NC, C, Dk]`` (keys decayed to the chunk's end), chunk_decay ``[H, NC]``, first bool
+    ``[NC]``. Returns (states ``[H, NC, Dk, Dv]``: each chunk's entering state, v_new ``[H, NC, C, Dv]``).
+    """
+    h, num_chunks, _, dk = w.shape
+    k_t = k_decayed.transpose(-1, -2)
+    state = w.new_zeros(h, dk, u.shape[-1])
+    states, v_news = [], []
+    for i in range(num_chunks):
+        state = torch.where(first[i], 0.0, state)
+        v_new = torch.baddbmm(u[:, i], w[:, i], state, alpha=-1)
+        states.append(state)
+        v_news.append(v_new)
+        state = torch.baddbmm(state * chunk_decay[:, i, None, None], k_t[:, i], v_new)
+    return torch.stack(states, 1), torch.stack(v_news, 1)
+
+
+# ---- the scan on Triton: custom ops, a kernel pair each way, no validation ---------------------------------
+
+
+@custom_op("fastft::delta_rule_chunk_scan")
+def chunk_scan_op(
+    w: torch.Tensor, u: torch.Tensor, k_decayed: torch.Tensor, chunk_decay: torch.Tensor, first: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scan_chunks`` on the Triton kernels (fp32 inputs and outputs, same shapes); differentiable."""
+    from .kernels import delta_rule as kernels
+
+    cfg = autotune.params(OP_SCAN, w.device, w.numel())
+    return kernels.chunk_scan(w, u, k_decayed, chunk_decay, first, **cfg)
+
+
+@chunk_scan_op.register_fake
+def _(w, u, k_decayed, chunk_decay, first):
+    h, nc, c, dk = w.shape
+    dv = u.shape[-1]
+    return w.new_empty(h, nc, dk, dv, dtype=torch.float32), w.new_empty(h, nc, c, dv, dtype=torch.float32)
+
+
+@custom_op("fastft::delta_rule_chunk_scan_backward")
+def chunk_scan_backward_op(
+    w: torch.Tensor,
+    k_decayed: torch.Tensor,
+    chunk_decay: torch.Tensor,
+    first: torch.Tensor,
+    states: torch.Tensor,
+    v_new: torch.Tensor,
+    dstates: torch.Tensor,
+    dv_new: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dw, du, dk_decayed, dchunk_decay) fp32 of ``chunk_scan_op`` from its inputs, outputs and their
+    gradients: the reverse scan on Triton, then the two products over all chunks at once."""
+    from .kernels import delta_rule as kernels
+
+    cfg = autotune.params(OP_SCAN_BACKWARD, w.device, w.numel())
+    ds, du, ddecay = kernels.chunk_scan_backward(w, k_decayed, chunk_decay, first, states, dstates, dv_new, **cfg)
+    dw = torch.matmul(du, states.transpose(-1, -2)).neg_()  # v_new = u - w @ state
+    dk_decayed = torch.matmul(v_new, ds.transpose(-1, -2))  # leaving state += k_decayed^T @ v_new
+    return dw, du, dk_decayed, ddecay
+
+
+@chunk_scan_backward_op.register_fake
+def _(w, k_decayed, chunk_decay, first, states, v_new, dstates, dv_new):
+    f32 = torch.float32
+    return (
+        w.new_empty(w.shape, dtype=f32),
+        v_new.new_empty(v_new.shape, dtype=f32),
+        w.new_empty(w.shape, dtype=f32),
+        w.new_empty(chunk_decay.shape, dtype=f32),
+    )
+
+
+def _setup(ctx, inputs, output):
+    w, u, k_decayed, chunk_decay, first = inputs
+    ctx.save_for_backward(w, k_decayed, chunk_decay, first, *output)
+
+
+def _backward(ctx, dstates, dv_new):
+    w, k_decayed, chunk_decay, first, states, v_new = ctx.saved_tensors
+    dstates = torch.zeros_like(states) if dstates is None else dstates
+    dv_new = torch.zeros_like(v_new) if dv_new is None else dv_new
+    dw, du, dk_decayed, ddecay = chunk_scan_backward_op.op(
+        w, k_decayed, chunk_decay, first, states, v_new, dstates, dv_new
+    )
+    return dw, du, dk_decayed, ddecay, None
+
+
+chunk_scan_op.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,193 @@
+"""Routed MoE experts: every (token, expert) pair through its expert's up (or gate-up) projection, activation
+and down projection, combined by the router's weights (``routed_experts``), on fastft's routing; with LoRA
+adapters on either projection (``ExpertLoRA``, one pair per expert) without forming ``W + B A``.
+
+    out = fastft.experts.routed_experts(hidden, topk_ids, topk_weights, up, down, transposed=False, activation=act)
+
+Steps: ``moe_route`` (no host sync) -> ``moe_permute`` -> ``grouped_linear`` up (+ ``up_bias`` rows through
+``moe_expert_rows``) -> ``activation`` -> ``grouped_linear`` down (+ ``down_bias`` rows) -> ``moe_unpermute``
+weighted by the router (fp32 sum in ascending k). ``grouped_linear`` is ``torch._grouped_mm`` where it runs
+(CUDA bf16, aligned sizes; no host sync), else one matmul per expert, which reads the offsets on the host.
+A projection with an ``ExpertLoRA`` adds ``scaling * (x A_e^T) B_e^T`` to its rows: two more grouped GEMMs over
+the same rows and offsets (``[N, r]`` in between), the adapters cast to the rows' dtype (``r`` padded to a
+multiple of 8 on CUDA, with zeros, for ``torch._grouped_mm``). Nothing of the weights' size is formed, in
+forward or backward: PEFT's ``target_parameters`` path forms ``W + scaling B A`` for every expert at every call.
+The specification is ``fastft.reference.experts``. transformers' experts blocks call this through
+``fastft.integrations.transformers`` (``use_moe``); nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import capabilities
+from ._checks import number_arg
+from .routing import moe_expert_rows, moe_permute, moe_route, moe_unpermute
+
+__all__ = ["ExpertLoRA", "grouped_linear", "routed_experts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLoRA:
+    """LoRA adapters on one projection of every expert (PEFT ``target_parameters``' pairs): expert ``e``'s
+    rows ``x`` (``[n, in]``) get ``scaling * (x @ a[e].T) @ b[e].T`` added, whichever layout the base weight has.
+    Checked by ``routed_experts``."""
+
+    a: torch.Tensor  # [E, r, in]: expert e's A (PEFT's lora_A.weight [E*r, in] viewed per expert)
+    b: torch.Tensor  # [E, out, r]: expert e's B (PEFT's lora_B.weight [out, r*E] holds expert e in columns e::E)
+    scaling: float  # the factor on the low-rank product: lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA)
+
+
+def _shape(t) -> str:
+    return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _tensor(name: str, t, dim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimensions, got shape {tuple(t.shape)}")
+
+
+def _weights(name: str, weight, transposed) -> tuple[int, int, int]:
+    """(experts, in features, out features) of an ``[E, out, in]`` (``[E, in, out]`` if transposed) weight."""
+    _tensor(name, weight, 3)
+    if not weight.is_floating_point():
+        raise TypeError(f"{name} must be floating point, got {weight.dtype}")
+    experts, a, b = weight.shape
+    return (experts, a, b) if transposed else (experts, b, a)
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, transposed: bool) -> torch.Tensor:
+    w = weight if transposed else weight.transpose(-2, -1)
+    if capabilities.grouped_mm(x, weight):
+        return torch._grouped_mm(x, w, offs=ends)
+    starts = [0] + ends.tolist()
+    rows = [x[a:b] @ w[e] for e, (a, b) in enumerate(zip(starts, starts[1:]))]
+    return torch.cat(rows + [x.new_zeros(x.shape[0] - starts[-1], w.shape[-1])])  # padding rows: 0
+
+
+def _adapted_linear(
+    x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, transposed: bool, lora: ExpertLoRA | None
+) -> torch.Tensor:
+    """``_grouped_linear`` plus, with ``lora``, its low-rank product over the same rows (two thin grouped GEMMs)."""
+    y = _grouped_linear(x, weight, ends, transposed)
+    if lora is None:
+        return y
+    a = lora.a.to(x.dtype)
+    b = lora.b.to(x.dtype) * lora.scaling  # [E, out, r]: r * out per expert, tiny
+    pad = -a.shape[1] % 8 if x.is_cuda else 0  # torch._grouped_mm takes 16-byte aligned rows only
+    if pad:
+        a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
+    xa = _grouped_linear(x, a.contiguous(), ends, False)  # [N, r]
+    return y.add_(_grouped_linear(xa, b.contiguous(), ends, False))  # in place: no second [N, out] buffer
+
+
+def _check_lora(name: str, lora, experts: int, in_features: int, out_features: int, device: torch.device) -> None:
+    if not isinstance(lora, ExpertLoRA):
+        raise TypeError(f"{name} must be a fastft.experts.ExpertLoRA or None, got {type(lora).__name__}")
+    for part, t in (("a", lora.a), ("b", lora.b)):
+        _tensor(f"{name}.{part}", t, 3)
+        if not t.is_floating_point():
+            raise TypeError(f"{name}.{part} must be floating point, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name}.{part} is on {t.device}, hidden_states on {device}: all must be on one device")
+    rank = lora.a.shape[1]
+    if rank < 1 or tuple(lora.a.shape) != (experts, rank, in_features):
+        raise ValueError(f"{name}.a must be [E, r, in]=({experts}, r >= 1, {in_features}), got {tuple(lora.a.shape)}")
+    if tuple(lora.b.shape) != (experts, out_features, rank):
+        raise ValueError(f"{name}.b must be [E, out, r]=({experts}, {out_features}, {rank}), got {tuple(lora.b.shape)}")
+    number_arg(f"{name}.scaling", lora.scaling)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``[N, out]``: rows ``ends[e-1]:ends[e]`` of ``x`` ``[N, in]`` times expert ``e``'s matrix, ``weight[e]``
+    (``[in, out]``) when ``transposed``, else ``weight[e].T`` (``weight`` is ``[E, out, in]``); rows from
+    ``ends[-1]`` on are zero. ``ends``: ``[E]`` int32 ascending row ends (``MoERouting.offsets[1:]``)."""
+    if not isinstance(transposed, bool):
+        raise TypeError(f"transposed must be True or False, got {transposed!r}")
+    _tensor("x", x, 2)
+    experts, in_features, _ = _weights("weight", weight, transposed)
+    _tensor("ends", ends, 1)
+    if x.shape[1] != in_features:
+        raise ValueError(f"x must be [N, {in_features}] (weight's in features), got {tuple(x.shape)}")
+    if ends.shape[0] != experts or ends.dtype != torch.int32:
+        raise ValueError(f"ends must be [E={experts}] int32, got {tuple(ends.shape)} {ends.dtype}")
+    return _grouped_linear(x, weight, ends, transposed)
+
+
+def routed_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor | None,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    transposed: bool,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    up_lora: ExpertLoRA | None = None,
+    down_lora: ExpertLoRA | None = None,
+) -> torch.Tensor:
+    """``[T, H_out]`` in ``hidden_states``' dtype: ``sum_k top_k_weights[t, k] * expert_e(hidden_states[t])``
+    with ``e = top_k_index[t, k]`` and ``expert_e(x) = activation(x @ up_e + up_bias[e]) @ down_e +
+    down_bias[e]``, summed in fp32 in ascending k (see the module docstring). With ``up_lora`` (``down_lora``),
+    ``up_e`` (``down_e``) acts as ``up_e + scaling * (b[e] @ a[e]).T`` in the ``[in, out]`` orientation, computed
+    as low-rank products over the routed rows (``W + B A`` is never formed).
+
+    ``hidden_states``: ``[T, H]`` floating; ``top_k_index``: ``[T, K]`` int32/int64, ids outside ``[0, E)``
+    (expert-parallel sentinels) contribute nothing; ``top_k_weights``: ``[T, K]`` floating or None (all
+    ones); ``up``: ``[E, I_up, H]`` and ``down``: ``[E, H_out, I]`` (``[E, H, I_up]`` and ``[E, I, H_out]`` if
+    ``transposed``); ``activation`` maps ``[N, I_up]`` to ``[N, I]`` (e.g. a gate over the halves of a fused
+    gate-up projection); ``up_bias`` ``[E, I_up]`` and ``down_bias`` ``[E, H_out]`` or None; ``up_lora``
+    (``a`` ``[E, r, H]``, ``b`` ``[E, I_up, r]``) and ``down_lora`` (``a`` ``[E, r', I]``, ``b``
+    ``[E, H_out, r']``) ``ExpertLoRA`` or None, on ``hidden_states``' device. Differentiable in every tensor
+    (the weights frozen or not). ``TypeError``/``ValueError`` naming the argument for anything else."""
+    if not isinstance(transposed, bool):
+        raise TypeError(f"transposed must be True or False, got {transposed!r}")
+    if not callable(activation):
+        raise TypeError(f"activation must be callable, got {type(activation).__name__}")
+    _tensor("hidden_states", hidden_states, 2)
+    _tensor("top_k_index", top_k_index, 2)
+    if not hidden_states.is_floating_point():
+        raise TypeError(f"hidden_states must be floating point, got {hidden_states.dtype}")
+    tokens = hidden_states.shape[0]
+    if top_k_index.shape[0] != tokens:
+        raise ValueError(f"top_k_index must be [T={tokens}, K], got {tuple(top_k_index.shape)}")
+    if top_k_weights is not None:
+        _tensor("top_k_weights", top_k_weights, 2)
+        if top_k_weights.shape != top_k_index.shape:
+            raise ValueError(f"top_k_weights must be [T, K]={tuple(top_k_index.shape)}, got {_shape(top_k_weights)}")
+    experts, up_in, up_out = _weights("up", up, transposed)
+    down_experts, down_in, down_out = _weights("down", down, transposed)
+    if up_in != hidden_states.shape[1]:
+        raise ValueError(f"up's in features ({up_in}) must be hidden_states' width {hidden_states.shape[1]}")
+    if down_experts != experts:
+        raise ValueError(f"up and down must have the same number of experts, got {experts} and {down_experts}")
+    for name, bias, width in (("up_bias", up_bias, up_out), ("down_bias", down_bias, down_out)):
+        if bias is not None:
+            _tensor(name, bias, 2)
+            if tuple(bias.shape) != (experts, width):
+                raise ValueError(f"{name} must be [E, out]=({experts}, {width}), got {tuple(bias.shape)}")
+    if up_lora is not None:
+        _check_lora("up_lora", up_lora, experts, up_in, up_out, hidden_states.device)
+    if down_lora is not None:
+        _check_lora("down_lora", down_lora, experts, down_in, down_out, hidden_states.device)
+
+    routing = moe_route(top_k_index, experts)
+    ends = routing.offsets[1:]
+    h = _adapted_linear(moe_permute(hidden_states, routing), up, ends, transposed, up_lora)
+    if up_bias is not None:
+        h = h + moe_expert_rows(up_bias, routing)
+    h = activation(h)
+    if not isinstance(h, torch.Tensor) or h.dim() != 2 or h.shape[1] != down_in:
+        raise ValueError(f"activation must return [N, {down_in}] (down's in features), got {_shape(h)}")
+    out = _adapted_linear(h, down, ends, transposed, down_lora)
+    if down_bias is not None:
+        out = out + moe_expert_rows(down_bias, routing)
+    return moe_unpermute(out, routing, top_k_weights).to(hidden_states.dtype)

@@ -1,0 +1,116 @@
+"""When fastft's CUDA graphs (``fastft.graphs``) capture: a call's signature, and what a layer decided.
+
+- Signature: the tensors' shapes, dtypes, devices and ``requires_grad``; the other arguments' values; a
+  ``PackedSeqInfo`` as its token count and two bounds that only grow (sequence count and longest sequence,
+  powers of two, at most the token count), which its graph sees it padded to.
+- ``policy="auto"``: a layer is captured only where its eager forward is launch-bound: the host took at
+  least ``LAUNCH_BOUND`` of the GPU's time on its second call (the first compiles; both run eagerly).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from . import graph_memory
+from .kernels._launch import next_power_of_2
+from .packing import PackedSeqInfo
+
+LAUNCH_BOUND = 0.7  # policy="auto": graphs where a layer's eager forward takes the host >= this much of the GPU's
+POLICIES = ("always", "auto")
+
+
+class LayerGraphs:
+    """A graphed layer's graphs by signature, its bounds on packed batches, and what it decided."""
+
+    def __init__(self) -> None:
+        self.graphs: dict = {}  # signature -> fastft.graph_capture.Graphs
+        self.warned: set = set()  # reasons already warned about
+        self.off: str | None = None  # why this layer runs eagerly from now on
+        self.bounds = (1, 1)  # (sequence count, longest sequence) bounds so far, see bounds()
+        self.calls = 0  # calls that could replay a graph
+        self.captures = 0  # this layer's captures
+        self.probe = None  # policy="auto": None, "timed" (after the first eager call), a Probe, or "decided"
+        self.eager = False  # policy="auto": the layer is GPU-bound, it runs eagerly
+        graph_memory.watch(self)
+
+    def may_replay(self) -> bool:
+        """Whether a later call may still replay graphs (it was not sent to the eager path for good)."""
+        return self.off is None and not self.eager
+
+
+def bounds(state: LayerGraphs, info: PackedSeqInfo) -> tuple[int, int]:
+    """(sequence count, longest sequence) bounds of ``info`` for the layer: powers of two that only grow,
+    capped at the token count."""
+    seqs, longest = state.bounds
+    seqs, longest = max(seqs, next_power_of_2(info.num_seqs)), max(longest, next_power_of_2(info.max_seqlen))
+    state.bounds = (seqs, longest)
+    t = info.num_tokens
+    return min(seqs, t), min(longest, t)
+
+
+def describe(leaf, state: LayerGraphs):
+    """A hashable description of one argument for the signature; ``TypeError`` if there is none. An info's:
+    ``("info", num_tokens, shape, device, sequence-count bound, longest-sequence bound)``."""
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
+    if isinstance(leaf, PackedSeqInfo):
+        return ("info", leaf.num_tokens, leaf.shape, leaf.device, *bounds(state, leaf))
+    hash(leaf)
+    return ("value", type(leaf), leaf)
+
+
+def identity(module: torch.nn.Module) -> tuple:
+    """What a captured graph reads of the layer: where each parameter and buffer lives, which train."""
+    return tuple((t.data_ptr(), t.requires_grad) for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+class Probe:
+    """Host and GPU time of one eager forward (``policy="auto"``); ``ratio()`` once the GPU is done."""
+
+    def __init__(self, device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        self.host_ms = (time.perf_counter() - self.t0) * 1000
+        if self.cuda:
+            self.end.record()
+
+    def ratio(self) -> float | None:
+        """Host time over GPU time of the call (1 without a GPU), or None while the GPU is not done."""
+        if not self.cuda:
+            return 1.0
+        if not self.end.query():
+            return None
+        return self.host_ms / max(self.start.elapsed_time(self.end), 1e-6)
+
+
+def launch_bound(state: LayerGraphs) -> bool:
+    """``policy="auto"``: whether the layer's timed eager forward was launch-bound (False until known)."""
+    if state.eager:
+        return False
+    if isinstance(state.probe, Probe):
+        ratio = state.probe.ratio()
+        if ratio is not None:
+            state.eager = ratio < LAUNCH_BOUND
+            state.probe = "decided"
+    return state.probe == "decided" and not state.eager
+
+
+def timed_eager(state: LayerGraphs, device, eager):
+    """``policy="auto"`` before the layer is known launch-bound: ``eager()``, timed on the layer's second call."""
+    if state.probe == "timed":
+        probe = Probe(device)
+        out = eager()
+        probe.stop()
+        state.probe = probe
+        return out
+    if state.probe is None:
+        state.probe = "timed"  # the first call compiles: time the next one
+    return eager()

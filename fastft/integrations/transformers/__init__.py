@@ -1,0 +1,125 @@
+"""Hugging Face transformers integration: packed-sequence attention, offloaded checkpointing and MoE
+experts blocks from fastft, through transformers' own registries (no model code copied or edited).
+
+    from fastft.integrations.transformers import apply
+    model = apply(model)   # packing=True, offload_checkpointing=True, moe=True
+
+One concern per module, each recording its own undo in the model's ``ModelState``
+(``fastft.integrations.models``), which ``revert`` runs last first:
+
+- ``attention``: ``use_packed_attention(model)``, attention function ``"fastft"`` (transformers' attention
+  registry): document boundaries from ``position_ids`` (e.g. ``DataCollatorWithFlattening``) or the
+  collator's ``cu_seq_lens_q`` + ``max_length_q``, built once per forward as a ``PackedSeqInfo`` and reused
+  by every layer; no document attends to another; each layer's sliding window is honoured.
+- ``experts``: ``use_moe(model)``, experts implementation ``"fastft"`` (transformers' experts registry), see
+  ``experts_forward``; ``expert_parallel``: ``use_expert_parallel``, ``expert_parameters``.
+- ``mixers``: token mixers besides attention in packed batches: fastft's packed ops in Gated DeltaNet and
+  LFM2's short convolutions, a ``ValueError`` for any other (``check_packing``, ``packing_blockers``).
+- ``checkpointing``: ``enable_gradient_checkpointing`` (``fastft.offloaded_checkpoint`` as the checkpoint
+  function, kept when ``Trainer``/TRL/PEFT call ``gradient_checkpointing_enable`` again).
+- LoRA: PEFT LoRA linear layers through ``fastft.lora.lora_linear`` (``fastft.integrations.peft``).
+
+transformers (5.x; tested with 5.17) is imported only by the functions here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..._checks import bool_arg
+from .. import liger
+from .. import peft as ft_peft
+from ..models import ModelState as ModelState
+from ..models import decoder_layers, has_experts, hf_model, model_state, pop_model_state, transformers_model
+from ..models import decoder_stack as decoder_stack
+from ..models import is_experts_block as is_experts_block
+from .attention import ATTENTION_IMPLEMENTATION as ATTENTION_IMPLEMENTATION
+from .attention import PACKED_INFO_KWARG as PACKED_INFO_KWARG
+from .attention import attention_forward as attention_forward
+from .attention import use_packed_attention
+from .checkpointing import enable_gradient_checkpointing, graphs_arg
+from .expert_parallel import expert_parameters, use_expert_parallel
+from .experts import EXPERT_SHARD as EXPERT_SHARD
+from .experts import EXPERTS_IMPLEMENTATION as EXPERTS_IMPLEMENTATION
+from .experts import ExpertShard as ExpertShard
+from .experts import experts_forward as experts_forward
+from .experts import register as register
+from .experts import use_moe
+from .mixers import check_packing, packing_blockers
+
+# The user verbs; the names re-exported "as" themselves above stay importable from here, as in 0.2.
+__all__ = [
+    "apply",
+    "revert",
+    "use_packed_attention",
+    "use_moe",
+    "enable_gradient_checkpointing",
+    "use_expert_parallel",
+    "expert_parameters",
+    "hf_model",
+    "has_experts",
+    "decoder_layers",
+    "check_packing",
+    "packing_blockers",
+]
+
+
+def apply(
+    model,
+    *,
+    packing: bool = True,
+    offload_checkpointing: bool = True,
+    moe: bool = True,
+    lora: bool = True,
+    graphs: bool | str = False,
+):
+    """fastft for a transformers model (or a PEFT model around one), in place; returns the model.
+    ``packing``: ``use_packed_attention``; ``offload_checkpointing``: gradient checkpointing through
+    ``fastft.offloaded_checkpoint`` (kept through later ``gradient_checkpointing_enable`` calls, e.g. by
+    ``Trainer``); ``moe``: ``use_moe`` when the model has experts blocks (Liger-Kernel's included);
+    ``lora``: ``fastft.integrations.peft.use_lora`` when it has PEFT LoRA layers (so call ``apply`` after
+    ``peft.get_peft_model``); ``graphs``: each checkpointed layer replayed as CUDA graphs
+    (``fastft.graphs.graphed_checkpoint``; needs ``offload_checkpointing``), ``"auto"``: only the layers
+    whose eager forward is launch-bound (its ``policy="auto"``). ``revert(model)`` undoes it. ``TypeError``
+    for anything but a transformers model, an option that is not a bool, or ``graphs`` not True, False or
+    ``"auto"``."""
+    transformers_model(model)
+    for name, value in dict(packing=packing, offload_checkpointing=offload_checkpointing, moe=moe, lora=lora).items():
+        bool_arg(name, value)
+    graphs_arg(graphs)
+    if graphs and not offload_checkpointing:
+        raise ValueError(
+            f"graphs={graphs!r} needs offload_checkpointing=True: the graphs are replayed by fastft's checkpoint"
+        )
+    if packing:
+        use_packed_attention(model)
+    if moe and has_experts(model):
+        use_moe(model)
+    if moe:
+        liger.route_liger_experts(model)
+    if lora and ft_peft.has_lora(model):
+        ft_peft.use_lora(model)
+        inner = hf_model(model)
+        state = model_state(inner)
+        if "lora" not in state.records:
+            state.add("lora", None, functools.partial(ft_peft.revert_lora, inner))
+    if offload_checkpointing:
+        enable_gradient_checkpointing(model, graphs=graphs)
+    return model
+
+
+def revert(model):
+    """Undo ``apply`` (and ``use_packed_attention``, ``use_moe``, ``enable_gradient_checkpointing``,
+    ``use_expert_parallel``): every change fastft recorded on the model, last first: the full experts on
+    every rank after ``use_expert_parallel`` (a collective: call it on every rank), each checkpointed layer's
+    checkpoint flag and function as they were (torch's, or none), PEFT LoRA layers back on PEFT's forward,
+    Liger's experts blocks on Liger's, the experts and attention implementations the model had and its
+    forward pre-hooks removed; returns the model. ``TypeError`` for anything but a transformers model (or a
+    PEFT model around one); ``ValueError`` if fastft set nothing on it."""
+    inner = transformers_model(model)
+    state = pop_model_state(inner)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} has nothing from fastft to revert (apply was not called on it)")
+    for undo in reversed(state.undo):
+        undo()
+    return model

@@ -1,0 +1,111 @@
+"""Offloaded gradient checkpointing for transformers models: every checkpointed layer's checkpoint function
+becomes fastft's (``offloaded_checkpoint``, or ``graphed_checkpoint``), and stays so when ``Trainer``, TRL
+or PEFT call the model's ``gradient_checkpointing_enable`` again."""
+
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+
+from ...graphs import graphed_checkpoint
+from ...offload import OffloadConfig, check_offload_config, gradient_checkpointing_func, offloaded_checkpoint
+from ..models import model_state, transformers_model
+
+
+def graphs_arg(graphs) -> bool | str:
+    """``graphs`` if it is True, False or ``"auto"``; ``TypeError`` otherwise (truthy strings included)."""
+    if graphs is True or graphs is False or (type(graphs) is str and graphs == "auto"):
+        return graphs
+    raise TypeError(f"graphs must be True, False or 'auto', got {graphs!r}")
+
+
+def checkpoint_function(config: OffloadConfig | None = None, *, graphs: bool | str = False, **config_fields):
+    """The checkpoint function of ``enable_gradient_checkpointing``'s options (checked here, once for it and
+    for ``apply``): ``graphed_checkpoint`` with ``graphs=True`` (``policy="auto"`` with ``graphs="auto"``),
+    else ``offloaded_checkpoint``, configured by ``config`` or ``OffloadConfig`` fields as keywords."""
+    if config is not None and config_fields:
+        raise ValueError("give either config or OffloadConfig fields as keywords, not both")
+    check_offload_config(config, "config")
+    graphs_arg(graphs)
+    config = config or OffloadConfig(**config_fields)
+    if graphs == "auto":
+        return functools.partial(graphed_checkpoint, offload_config=config, policy="auto")
+    if graphs:
+        return functools.partial(graphed_checkpoint, offload_config=config)
+    if config == OffloadConfig():
+        return gradient_checkpointing_func
+    return functools.partial(offloaded_checkpoint, offload_config=config)
+
+
+def enable_gradient_checkpointing(
+    model, config: OffloadConfig | None = None, *, graphs: bool | str = False, **config_fields
+):
+    """Turn on a transformers model's gradient checkpointing with offloaded checkpoints; returns the model.
+
+    Every layer's checkpoint function becomes ``fastft.offload.gradient_checkpointing_func`` (an
+    ``offloaded_checkpoint``; ``config`` or ``OffloadConfig`` fields as keywords configure it), or with
+    ``graphs=True`` ``fastft.graphs.graphed_checkpoint`` (each layer's forward and recompute + backward
+    replayed as CUDA graphs; ``graphs="auto"``: its ``policy="auto"``, graphs only for launch-bound layers),
+    and PEFT's frozen inputs require grad as with ``model.gradient_checkpointing_enable()``.
+
+    The model's ``gradient_checkpointing_enable`` keeps fastft's function from then on: ``Trainer`` (with
+    ``gradient_checkpointing=True``), TRL and PEFT call it again, which would otherwise put torch's checkpoint
+    back on every layer. Their ``every_n_layers`` and checkpoint options (``preserve_rng_state``,
+    ``context_fn``, ``determinism_check``, ``debug``) are honoured. ``offload=True`` (transformers' own
+    offload: ``save_on_cpu`` around torch's checkpoint, copies on the compute stream) is fastft's offload
+    already, so fastft's side-stream, double-buffered version stays. ``use_reentrant=True`` is ignored with a
+    warning: the offload works through the non-reentrant checkpoint (which also keeps DDP and frozen-input
+    LoRA working). ``revert(model)`` gives the model back its own checkpointing.
+    """
+    func = checkpoint_function(config, graphs=graphs, **config_fields)
+    inner = transformers_model(model)
+    if not inner.supports_gradient_checkpointing:
+        raise ValueError(f"{type(inner).__name__} does not support gradient checkpointing")
+    state = model_state(inner)
+    if "checkpointing" not in state.records:
+        before = [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in _layers(inner)]
+        had_input_grads = bool(getattr(inner, "_require_grads_hooks", None))
+        state.add("checkpointing", {}, functools.partial(_restore, inner, before, had_input_grads))
+    state.records["checkpointing"]["func"] = func
+    inner.gradient_checkpointing_enable = types.MethodType(_gradient_checkpointing_enable, inner)
+    inner.gradient_checkpointing_enable()
+    return model
+
+
+def _layers(inner):
+    return [m for m in inner.modules() if hasattr(m, "gradient_checkpointing")]
+
+
+def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, every_n_layers: int = 1, offload=False):
+    """The ``gradient_checkpointing_enable`` of a model under ``enable_gradient_checkpointing``: transformers'
+    own (input grads, which layers), then fastft's checkpoint function on every layer (see there)."""
+    options = dict(gradient_checkpointing_kwargs or {})
+    if options.pop("use_reentrant", False):
+        warnings.warn(
+            "gradient_checkpointing_enable(use_reentrant=True) on a model with fastft's offloaded checkpointing: "
+            "fastft keeps its non-reentrant checkpoint (call fastft.integrations.transformers.revert(model) "
+            "first for torch's reentrant one)",
+            stacklevel=2,
+        )
+    if getattr(self, "_require_grads_hooks", None):  # transformers would register its input-grad hooks again
+        self.disable_input_require_grads()
+    type(self).gradient_checkpointing_enable(self, {"use_reentrant": False}, every_n_layers=every_n_layers)
+    func = model_state(self).records["checkpointing"]["func"]
+    if options:
+        func = functools.partial(func, **options)
+    self._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func, every_n_layers=every_n_layers)
+
+
+def _restore(inner, before, had_input_grads) -> None:
+    """Undo ``enable_gradient_checkpointing``: the model's own method, and each layer's checkpoint flag and
+    function, and the input-grad hooks, as they were."""
+    inner.__dict__.pop("gradient_checkpointing_enable", None)
+    for module, enabled, func in before:
+        module.gradient_checkpointing = enabled
+        if func is None:
+            module.__dict__.pop("_gradient_checkpointing_func", None)
+        else:
+            module._gradient_checkpointing_func = func
+    if not had_input_grads:
+        inner.disable_input_require_grads()

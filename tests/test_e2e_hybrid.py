@@ -1,0 +1,128 @@
+"""The e2e benchmark on hybrid models (Qwen3.5, Qwen3.5-MoE: Gated DeltaNet layers before each attention layer):
+stock packed rows leak across documents and are marked so, the padded peer ('stock sdpa, padded') gives each
+document its own row and is each document alone, and fastft's packed losses equal the padded peer's. Tiny
+configs on CPU, fastft's torch backend (the interpreter's kernels are tested in their own files)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from fastft.bench import columns, e2e  # noqa: E402
+from fastft.bench.stream import IGNORE, PAD_ID, packed_batch, padded  # noqa: E402
+
+HYBRIDS = ("Qwen3.5", "Qwen3.5-MoE")
+
+
+def _lengths(rng, count, low, high):
+    return [int(n) for n in torch.randint(low, high + 1, (count,), generator=rng)]
+
+
+def test_padded_micro_batches_hold_each_document_once_in_order(rng):
+    budget = 128
+    batch = packed_batch(_lengths(rng, 12, 1, 60), 1000, rng)
+    parts = padded(batch, budget)
+    assert tuple(n for p in parts for n in p.seq_lengths) == batch.seq_lengths
+    start = 0
+    for p in parts:
+        rows, width = p.input_ids.shape
+        assert rows == len(p.seq_lengths) and width == max(p.seq_lengths) and rows * width <= budget
+        assert p.labels.shape == p.attention_mask.shape == p.input_ids.shape
+        assert p.targets == sum(n - 1 for n in p.seq_lengths)
+        for i, n in enumerate(p.seq_lengths):
+            assert torch.equal(p.input_ids[i, :n], batch.input_ids[0, start : start + n])
+            assert torch.equal(p.labels[i, :n], batch.labels[0, start : start + n])
+            assert (p.input_ids[i, n:] == PAD_ID).all() and (p.labels[i, n:] == IGNORE).all()
+            assert p.attention_mask[i].tolist() == [1] * n + [0] * (width - n)
+            start += n
+    for a, b in zip(parts, parts[1:]):  # greedy in the packed order: the next document did not fit
+        assert (len(a.seq_lengths) + 1) * max(*a.seq_lengths, b.seq_lengths[0]) > budget
+
+
+def test_hybrid_models_in_the_table():
+    for name in HYBRIDS:
+        config = e2e.model_config(name, tiny=True)
+        assert config.layer_types == ["linear_attention", "full_attention"]  # one layer of each kind
+        assert e2e.model_config(name, tiny=False).layer_types == ["linear_attention"] * 3 + ["full_attention"]
+        assert columns.has_mixers(name)
+        assert columns.leaks("stock sdpa", name) and columns.leaks("naive glue", name)
+        assert not (columns.leaks("stock sdpa, padded", name) or columns.leaks("fastft", name))
+        assert columns.why_not_on("stock sdpa, fla", name) is None
+    assert columns.is_moe("Qwen3.5-MoE") and not columns.is_moe("Qwen3.5")
+    assert not columns.has_mixers("Qwen3-0.6B") and columns.leaks("stock sdpa", "Qwen3-0.6B") is None
+    assert columns.why_not_on("stock sdpa, fla", "Qwen3-0.6B") == "needs a model with linear-attention layers"
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_padded_rows_are_each_document_alone_and_packed_rows_leak(name, rng):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(e2e.model_config(name, tiny=True)).eval()
+    model.set_attn_implementation("sdpa")
+    batch = packed_batch(_lengths(rng, 5, 8, 40), 256, rng)
+    starts = torch.tensor((0, *batch.seq_lengths)).cumsum(0).tolist()
+    docs = [slice(a, b) for a, b in zip(starts, starts[1:])]
+    with torch.no_grad():
+        alone = [model(input_ids=batch.input_ids[:, d]).logits[0] for d in docs]
+        packed = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits[0]
+        rows = [(p, model(**p.inputs()).logits) for p in padded(batch, 64)]  # several micro-batches
+        step = e2e.step_inputs("stock sdpa, padded", batch, name, tiny=True)
+        loss = sum(w * model(**inputs).loss for inputs, w in e2e.micro_batches(step))
+    own = [row[:n] for p, logits in rows for row, n in zip(logits, p.seq_lengths)]
+    assert max(float((a - b).abs().max()) for a, b in zip(own, alone)) <= 1e-5
+    assert max(float((packed[d] - a).abs().max()) for d, a in zip(docs[1:], alone[1:])) > 1e-3  # stock leaks
+    # the padded step's loss is the packed row's loss with each document alone
+    targets = torch.cat([batch.labels[0, d][1:] for d in docs])
+    expected = F.cross_entropy(torch.cat([a[:-1] for a in alone]), targets)
+    assert abs(float(loss) - float(expected)) <= 1e-5 * float(expected)
+
+
+def test_bench_e2e_qwen35_marks_leaks_and_checks_fastft_against_the_padded_peer(tmp_path, capsys, monkeypatch):
+    from fastft.__main__ import main
+
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    path = tmp_path / "e2e.json"
+    names = ["naive glue", "stock sdpa", "stock sdpa, padded", "fastft"]
+    args = ["bench", "--e2e", "--quick", "--model", "Qwen3.5", *[f"--column={c}" for c in names]]
+    assert main([*args, "--stream=fixed", "--steps=1", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = {r["column"]: r for r in json.loads(path.read_text())["rows"]}
+    assert list(rows) == names
+    assert {c: r["leaks"] for c, r in rows.items()} == dict(zip(names, (True, True, False, False)))
+    assert [c for c, r in rows.items() if r["padded"]] == ["stock sdpa, padded"]
+    assert rows["stock sdpa, padded"]["tokens_min"] == rows["fastft"]["tokens_min"] == 256  # real tokens only
+    assert 0 <= rows["stock sdpa, padded"]["padding"] < 1 and rows["fastft"]["padding"] == 0
+    assert all(r["layers"] == 2 and len(r["losses"]) == 2 for r in rows.values())
+    assert "| stock sdpa (leaks across documents) |" in out and "| naive glue (leaks across documents) |" in out
+    assert "| fastft | " in out and "x (stock sdpa, padded) |" in out  # the only peer that does not leak
+    assert "loss check Qwen3.5, fixed: largest relative difference to stock sdpa, padded over 2 steps" in out
+    assert "'stock sdpa' " in out and "FAILS" not in out
+
+
+def test_bench_e2e_qwen35_moe_fastft_equals_the_padded_peer(monkeypatch):
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    cpu = torch.device("cpu")
+    names = ["stock sdpa, padded", "fastft"]
+    records = e2e.run(cpu, True, ["Qwen3.5-MoE"], names, stream="padding-free", warmup=1, steps=1)
+    assert [r["column"] for r in records] == names and not any(r["leaks"] for r in records)
+    ok, text = e2e.loss_check(records)
+    assert ok and "loss check Qwen3.5-MoE, padding-free: largest relative difference to stock sdpa, padded" in text
+
+
+@pytest.mark.skipif(columns.installed("flash-linear-attention"), reason="checks the line for a missing fla")
+def test_flash_linear_attention_columns_are_named_when_missing():
+    text = e2e.describe(torch.device("cpu"), True)
+    for column in ("stock sdpa, fla", "stock sdpa, padded, fla"):
+        assert f"\n    '{column}': needs flash-linear-attention (pip install flash-linear-attention)" in text
+
+
+def test_audit_on_qwen35(capsys, monkeypatch):
+    from fastft.__main__ import main
+
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    assert main(["audit", "--model", "Qwen3.5", "--steps", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen3.5, column 'fastft', padding-free stream (tiny config)" in out
+    assert "Qwen3_5GatedDeltaNet" in out and "host syncs 0" in out

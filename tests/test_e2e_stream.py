@@ -1,0 +1,175 @@
+"""The e2e benchmark's stream of fresh packed batches (fastft.bench.stream) and the harness's host-side parts
+(columns table, schedule, loss check, table); the CLI runs of the whole benchmark are in test_cli.py."""
+
+import itertools
+import types
+
+import pytest
+import torch
+
+from fastft.bench import e2e
+from fastft.bench.stream import IGNORE, KINDS, pack, packed_stream
+
+
+def _seed(rng) -> int:
+    return int(torch.randint(2**31, (), generator=rng))
+
+
+def _take(kind, seed, n=8, budget=1024):
+    return list(itertools.islice(packed_stream(kind, budget, seed, median=60, vocab=1000), n))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stream_is_the_same_for_a_seed_and_new_every_step(kind, rng):
+    seed = _seed(rng)
+    first, again = _take(kind, seed), _take(kind, seed)
+    for a, b in zip(first, again):
+        assert a.seq_lengths == b.seq_lengths and a.num_tokens == b.num_tokens
+        for field in ("input_ids", "position_ids", "labels"):
+            assert torch.equal(getattr(a, field), getattr(b, field))
+    assert len({b.seq_lengths for b in first}) == len(first)  # new documents each step
+    assert not torch.equal(first[0].input_ids[:, :16], first[1].input_ids[:, :16])
+    assert _take(kind, seed + 1)[0].seq_lengths != first[0].seq_lengths
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_are_packed_documents_with_boundaries_masked(kind, rng):
+    for b in _take(kind, _seed(rng)):
+        assert b.input_ids.shape == b.position_ids.shape == b.labels.shape == (1, b.num_tokens)
+        assert b.num_tokens == sum(b.seq_lengths) <= 1024 and all(n > 0 for n in b.seq_lengths)
+        expected = torch.cat([torch.arange(n) for n in b.seq_lengths])[None]
+        assert torch.equal(b.position_ids, expected)
+        starts = b.position_ids == 0
+        assert (b.labels[starts] == IGNORE).all() and int(starts.sum()) == len(b.seq_lengths)
+        assert torch.equal(b.labels[~starts], b.input_ids[~starts])  # the model shifts them itself
+        assert b.input_ids.dtype == b.labels.dtype == b.position_ids.dtype == torch.int64
+        assert 0 <= int(b.input_ids.min()) and int(b.input_ids.max()) < 1000
+
+
+def test_fixed_rows_fill_the_budget_and_padding_free_rows_hold_whole_documents(rng):
+    seed = _seed(rng)
+    fixed, free = _take("fixed", seed, 12), _take("padding-free", seed, 12)
+    assert {b.num_tokens for b in fixed} == {1024}
+    assert len({b.num_tokens for b in free}) > 1  # the token count changes step to step
+    for f, p in zip(fixed, free):  # the same documents, packed two ways
+        n = len(p.seq_lengths)
+        assert f.seq_lengths[:n] == p.seq_lengths
+        # the next document did not fit whole: the fixed row holds it cut to the budget's rest
+        assert p.num_tokens == 1024 or f.seq_lengths[n] == 1024 - p.num_tokens
+        assert torch.equal(f.input_ids[:, : p.num_tokens], p.input_ids)
+
+
+def test_pack():
+    assert pack("fixed", [5, 7, 9], 10) == [5, 5]
+    assert pack("padding-free", [5, 7, 9], 10) == [5]
+    assert pack("padding-free", [5, 5, 9], 10) == [5, 5]
+    with pytest.raises(ValueError, match="do not fill a fixed row of 20"):
+        pack("fixed", [5, 7], 20)
+
+
+def test_bad_stream_arguments_fail_at_the_call():
+    with pytest.raises(ValueError, match="kind must be one of 'fixed', 'padding-free', got 'packed'"):
+        packed_stream("packed", 1024)
+    with pytest.raises(ValueError, match="budget must be a positive int, got 0"):
+        packed_stream("fixed", 0)
+    with pytest.raises(ValueError, match=r"max_len must be an int in \[16, budget=64\], got 65"):
+        packed_stream("fixed", 64, max_len=65)
+    with pytest.raises(ValueError, match="stream must be one of 'fixed', 'padding-free', 'both', got 'all'"):
+        e2e.streams_of("all")
+    with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
+        e2e.schedule(True, steps=0)
+    assert e2e.streams_of(None) == ("padding-free",) and e2e.streams_of("both") == KINDS
+    assert e2e.schedule(True) == (1, 2) and e2e.schedule(False) == (3, 20) and e2e.schedule(False, 2, 50) == (2, 50)
+
+
+def test_the_columns_table():
+    c = e2e.COLUMNS
+    assert {n for n in c if c[n].peer} == {n for n in c if "stock" in n}
+    assert {n for n in c if c[n].padded} == {"stock sdpa, padded", "stock sdpa, padded, fla"}
+    assert {n for n in c if c[n].mixers_only} == {n for n in c if "flash-linear-attention" in c[n].needs}
+    assert {n for n in c if c[n].fastft} == {n for n in c if n.startswith("fastft")}
+    assert not (c["naive glue"].peer or c["naive glue"].fastft)
+    assert [n for n in c if "liger-kernel" in c[n].needs] == [
+        "liger + stock flex",
+        "fastft + liger",
+        "fastft + liger, graphs",
+    ]
+    assert [n for n in c if c[n].moe_only] == ["fastft, experts lora"]
+    cpu = torch.device("cpu")
+    assert e2e.why_not("stock flex", cpu) == "needs a GPU"
+    assert set(e2e.columns(cpu)) == {n for n in c if not c[n].gpu_only and e2e.why_not(n, cpu) is None}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the skipped columns of a CPU run")
+def test_skipped_columns_one_a_line():
+    text = e2e.describe(torch.device("cpu"), True, ["fastft", "stock sdpa, hf offload", "fastft + liger, graphs"])
+    assert "\n    'stock sdpa, hf offload': needs a GPU\n    'fastft + liger, graphs': needs a GPU\n" in text
+    assert "'stock flex'" not in text  # not asked for
+
+
+def _record(column, losses, tokens_per_s, model="Qwen3-0.6B", stream="padding-free"):
+    step_ms = 1000 * 1000 / tokens_per_s
+    zero = dict(compiles_first=0, compiles_timed=0, captures_first=0, captures_timed=0)
+    return dict(
+        zero,
+        model=model,
+        stream=stream,
+        column=column,
+        layers=2,
+        dtype="float32",
+        losses=losses,
+        loss=losses[0],
+        tokens_per_s=tokens_per_s,
+        step_ms=step_ms,
+        first_steps_s=1.5,
+        warmup=1,
+        tokens_min=900,
+        tokens_max=1000,
+        peak_gib=None,
+    )
+
+
+def test_loss_check_compares_every_step():
+    base = [2.0, 1.9, 1.8]
+    records = [_record("naive glue", base, 100.0), _record("fastft", base, 300.0)]
+    ok, text = e2e.loss_check(records + [_record("stock sdpa", [2.0, 1.9, 1.9], 200.0)])
+    assert ok and "'stock sdpa' 5.6e-02 (step 2) (differs)" in text and "over 3 steps" in text
+    ok, text = e2e.loss_check(records + [_record("fastft, peft lora", [2.0, 1.91, 1.8], 250.0)])
+    assert not ok and "'fastft, peft lora' 5.3e-03 (step 1) FAILS" in text
+    other = [_record(r["column"], r["losses"], 1.0, stream="fixed") for r in records]
+    assert e2e.loss_check(records + other)[1].count("loss check Qwen3-0.6B, ") == 2  # one line per stream
+
+
+def test_table_compares_fastft_with_the_fastest_peer_of_its_stream():
+    records = [
+        _record("stock sdpa", [2.0], 100.0),
+        _record("stock sdpa, hf offload", [2.0], 150.0),
+        _record("fastft", [2.0], 300.0),
+        _record("stock sdpa", [2.0], 50.0, stream="fixed"),
+        _record("fastft", [2.0], 300.0, stream="fixed"),
+    ]
+    table = e2e.format_table(records)
+    row = "| padding-free | 900-1000 | fastft | 300 | 3333.3 | 1.5 (1) | - | - | n/a | - |"
+    assert row + " 2.00x (stock sdpa, hf offload) |" in table
+    assert "| fixed | 900-1000 | fastft | 300 | 3333.3 | 1.5 (1) | - | - | n/a | - | 6.00x (stock sdpa) |" in table
+    assert "| stock sdpa | 100 | 10000.0 | 1.5 (1) | - | - | n/a | 3.00x | - |" in table
+    assert "vs fastest peer  fastft columns: this column's tokens/s / the highest tokens/s" in e2e.LEGEND
+
+
+def test_train_counts_what_torch_compile_compiles_in_each_step():
+    linear = torch.nn.Linear(4, 1)
+    loss = torch.compile(lambda x: linear(x).square().mean(), backend="eager", dynamic=False)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x):
+            return types.SimpleNamespace(loss=loss(x))
+
+    inputs = [{"x": torch.randn(n, 4)} for n in (3, 3, 5, 5, 7)]  # a new shape: a recompile
+    steps = e2e.train(Model(), inputs, 2, torch.device("cpu"))
+    assert steps.compiles == [1, 0, 1, 0, 1] and steps.captures == [0] * 5
+    assert len(steps.losses) == len(steps.seconds) == 5 and all(s > 0 for s in steps.seconds)
+    assert steps.peak_bytes == -1  # no GPU memory to count

@@ -1,0 +1,251 @@
+"""Token mixers besides attention in packed batches: apply makes Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-Hybrid) and
+LFM2's short convolutions packing-correct, and refuses every other transformers family whose layers mix tokens
+outside attention, found from the config, the modules and their names."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fastft.integrations.transformers import apply, mixers, revert, use_packed_attention  # noqa: E402
+
+# transformers 5.17's causal-LM families whose layers mix tokens outside attention (or with attention kinds
+# fastft does not implement), each built from its default config on the meta device (no memory)
+REFUSED = {
+    "bamba": "BambaMixer",
+    "falcon_h1": "FalconH1Mixer",
+    "falcon_mamba": "FalconMambaMixer",
+    "granitemoehybrid": "GraniteMoeHybridMambaLayer",
+    "jamba": "JambaMambaMixer",
+    "kimi_linear": "KimiLinearDeltaAttention",
+    "mamba": "MambaMixer",
+    "mamba2": "Mamba2Mixer",
+    "minimax": "MiniMaxLightningAttention",
+    "nemotron_h": "NemotronHMamba2Mixer",
+    "recurrent_gemma": "RecurrentGemmaRecurrentBlock",
+    "rwkv": "RwkvSelfAttention",
+    "xlstm": "xlstm",
+    "zamba2": "Zamba2MambaMixer",
+    "llama4_text": "chunked_attention",
+    "deepseek_v32": "deepseek_sparse_attention",
+}
+ATTENTION_ONLY = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "gemma2", "olmo3", "glm4_moe", "mistral")
+# families whose mixers fastft makes packing-correct (their default configs hold such layers)
+SUPPORTED = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid")
+
+
+def meta_model(model_type: str, **fields):
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_every_family_with_other_mixers_is_found(model_type):
+    model = meta_model(model_type)
+    kinds = {b.kind for b in mixers.packing_blockers(model)}
+    assert REFUSED[model_type] in kinds, kinds
+    with pytest.raises(ValueError, match=REFUSED[model_type]) as error:
+        mixers.check_packing(model)
+    assert "packing=False" in str(error.value)
+
+
+@pytest.mark.parametrize("model_type", ATTENTION_ONLY + SUPPORTED)
+def test_attention_only_and_supported_families_pass(model_type):
+    assert mixers.packing_blockers(meta_model(model_type)) == []
+
+
+def test_lfm2_convolutions_are_supported():
+    model = meta_model("lfm2", layer_types=["conv", "full_attention"], num_hidden_layers=2)
+    assert [type(m).__name__ for m in model.modules() if mixers.supported(m)] == ["Lfm2ShortConv"]
+    assert mixers.packing_blockers(model) == []
+
+
+def test_a_supported_class_whose_calls_changed_is_refused(monkeypatch):
+    """A transformers release whose mixer no longer hands its keyword arguments to the function fastft replaces
+    is refused, not trained wrong."""
+    model = tiny("qwen3_5_text", **HYBRIDS["qwen3_5_text"])
+    mixer = model.model.layers[0].linear_attn
+    assert mixers.supported(mixer)
+    monkeypatch.setitem(mixers.CALLS, mixers.DELTA_RULE_FN, mixers.re.compile(r"no such call"))
+    assert not mixers.supported(mixer)
+    with pytest.raises(ValueError, match="Qwen3_5GatedDeltaNet"):
+        apply(model)
+
+
+def tiny(model_type: str, **fields):
+    common = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    config = transformers.AutoConfig.for_model(model_type, **{**common, **fields})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # convolutions wide enough that a leak shows well above the tolerance
+        for module in model.modules():
+            if isinstance(module, torch.nn.Conv1d):
+                module.weight.normal_(0, 0.5)
+    return model
+
+
+HYBRIDS = {
+    "qwen3_5_text": dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    ),
+    "qwen3_next": dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    ),
+    "olmo_hybrid": dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        pad_token_id=0,
+    ),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "lfm2_moe": dict(
+        layer_types=["conv", "full_attention"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        num_dense_layers=0,
+    ),
+    "qwen3_5_moe_text": dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    ),
+}
+UNSUPPORTED = {
+    "granitemoehybrid": dict(
+        layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8
+    ),
+    "falcon_mamba": dict(state_size=8, expand=2, conv_kernel=4),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(UNSUPPORTED))
+def test_apply_refuses_packing_and_changes_nothing(model_type):
+    model = tiny(model_type, **UNSUPPORTED[model_type])
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match="packing=False"):
+        apply(model)
+    with pytest.raises(ValueError, match="packing=False"):
+        use_packed_attention(model)
+    assert model.config._attn_implementation == before
+    assert "_fastft_state" not in model.__dict__ or not model.__dict__["_fastft_state"]
+    apply(model, packing=False, offload_checkpointing=False)  # padded batches stay correct: allowed
+
+
+def test_a_new_family_is_caught_by_its_modules():
+    """No name or layer type gives it away: a convolution along the sequence inside a decoder layer does."""
+
+    class Smoother(torch.nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.proj = torch.nn.Linear(width, width)
+            self.taps = torch.nn.Conv1d(width, width, kernel_size=3, groups=width, padding=2)
+
+        def forward(self, x):
+            return self.taps(self.proj(x).transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+
+    model = tiny("llama")
+    model.model.layers[1].mlp = Smoother(32)
+    with pytest.raises(ValueError, match="Smoother"):
+        apply(model)
+
+
+def test_a_new_family_is_caught_by_its_state_parameters():
+    model = tiny("llama")
+    model.model.layers[0].mlp.register_parameter("A_log", torch.nn.Parameter(torch.zeros(2)))
+    blockers = mixers.packing_blockers(model)
+    assert [(b.where, b.kind) for b in blockers] == [("layers.0.mlp", "LlamaMLP")]
+
+
+def test_a_new_layer_type_is_caught_by_the_config():
+    model = tiny("llama")
+    model.config.layer_types = ["full_attention", "retention"]
+    with pytest.raises(ValueError, match="retention"):
+        mixers.check_packing(model)
+
+
+def documents(rng, vocab: int, lengths=(7, 1, 13, 3)):
+    ids = torch.randint(0, vocab, (1, sum(lengths)), generator=rng)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    return ids, pos, list(lengths)
+
+
+def step(model, ids, pos):
+    """Loss summed over the tokens (as packing sums the documents' losses) and every trainable gradient."""
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")
+    keep = pos[0, 1:] != 0  # a document's first token is not predicted from the one before
+    (loss * keep).sum().backward()
+    return logits[0], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "model_type, graphs", [(m, False) for m in sorted(HYBRIDS)] + [("qwen3_5_text", True), ("lfm2", True)]
+)
+def test_packed_equals_each_document_alone(model_type, graphs, rng):
+    """Forward and every gradient of a packed row equal those of its documents run one by one."""
+    model = tiny(model_type, **HYBRIDS[model_type]).train()
+    ids, pos, lengths = documents(rng, model.config.vocab_size)
+    stock_logits, _ = step(model, ids, pos)
+    apply(model, graphs=graphs) if graphs else apply(model)
+    assert model_state_records(model) >= {"mixers"}
+    logits, grads = step(model, ids, pos)
+    alone_grads = {}
+    start = 0
+    for n in lengths:
+        doc_logits, doc_grads = step(model, ids[:, start : start + n], pos[:, start : start + n])
+        torch.testing.assert_close(logits[start : start + n], doc_logits, atol=1e-5, rtol=1e-5)
+        for name, g in doc_grads.items():
+            alone_grads[name] = alone_grads.get(name, 0) + g
+        start += n
+    assert grads.keys() == alone_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], alone_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert (stock_logits - logits).abs().max() > 1e-4  # stock packing leaks: the comparison can fail
+    revert(model)
+    assert not any(key[0] == type(model).__module__ for key in mixers._patched)
+
+
+def model_state_records(model) -> set:
+    from fastft.integrations.models import model_state
+
+    return set(model_state(model).records)
+
+
+def test_another_model_of_the_family_keeps_transformers_path(rng):
+    """fastft replaces functions of the family's modeling module: a model without fastft still runs them as
+    transformers wrote them (leaking, as stock does), before and after revert of the one with fastft."""
+    plain = tiny("qwen3_5_text", **HYBRIDS["qwen3_5_text"])
+    ids, pos, _ = documents(rng, plain.config.vocab_size)
+    with torch.no_grad():
+        expected = plain(input_ids=ids, position_ids=pos, use_cache=False).logits
+        fast = apply(tiny("qwen3_5_text", **HYBRIDS["qwen3_5_text"]), offload_checkpointing=False)
+        torch.testing.assert_close(plain(input_ids=ids, position_ids=pos, use_cache=False).logits, expected)
+        fast(input_ids=ids, position_ids=pos, use_cache=False)
+        revert(fast)
+        torch.testing.assert_close(plain(input_ids=ids, position_ids=pos, use_cache=False).logits, expected)
+    assert not mixers._patched
