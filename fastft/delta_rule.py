@@ -36,14 +36,23 @@ from .reference.delta_rule import l2norm
 
 MAX_CHUNK_SIZE = 256
 
-OP_DELTA_RULE = dispatch.register("delta_rule.gated_delta_rule")
-# Launch parameters only; dispatched with the op.
-OP_SCAN = "delta_rule.chunk_scan"
+# The op's backend is that of its scan over chunks (the rest is torch on either).
+OP_SCAN = dispatch.register("delta_rule.chunk_scan")
+# Launch parameters only; dispatched with the forward.
 OP_SCAN_BACKWARD = "delta_rule.chunk_scan_backward"
-# A fixed configuration (the forward kernel's choice): 32 value columns of the state per program, 128 programs
-# at 32 heads of 128. The interpreter's 16 makes small test inputs span several programs.
+# Keyed by w's elements (H * chunks * C * Dk). Defaults: 32 value columns of the state per program (128
+# programs at 32 heads of 128); ``tune`` measures Qwen3.5's widths at T=8192 and 32768. The interpreter's 16
+# makes small test inputs span several programs.
 for _op in (OP_SCAN, OP_SCAN_BACKWARD):
-    autotune.register(_op, autotune.Tunable({"BV": 32, "num_warps": 4}, interpreter={"BV": 16}))
+    autotune.register(
+        _op,
+        autotune.Tunable(
+            {"BV": 32, "num_warps": 4},
+            sizes=(32 * 135 * 64 * 128, 32 * 543 * 64 * 128),
+            grid={"BV": (16, 32, 64), "num_warps": (2, 4, 8)},
+            interpreter={"BV": 16},
+        ),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +160,7 @@ def _check(q, k, v, g, beta, info, scale, use_qk_l2norm, backend) -> str:
         number_arg("scale", scale)
     if not isinstance(use_qk_l2norm, bool):
         raise TypeError(f"use_qk_l2norm must be a bool, got {type(use_qk_l2norm).__name__}")
-    return dispatch.backend_for(OP_DELTA_RULE, q.device, backend)
+    return dispatch.backend_for(OP_SCAN, q.device, backend)
 
 
 def gated_delta_rule(

@@ -5,7 +5,7 @@ set of static buffers that every signature and layer shares.
   copied into static buffers inside the graph), so the pool holds the largest working set of one capture,
   not a sum. A capture's warm-up allocates from it too (``WARM_UP_IN_POOL``, where torch has the bindings).
 - Largest first (``LARGEST_FIRST``): the caching allocator does not merge the pool's blocks across segments,
-  so a capture larger than every one before finds the free blocks too small and adds new ones beside them.
+  so a capture larger than every one before can find the free blocks too small and add new ones beside them.
   Before such a capture every graph on the device is dropped with its pool (captured again when next
   called): the largest working set is laid down first, the smaller ones fit inside it.
 - Static buffers: each a power of two of elements (its own storage per shape under ``EXACT_BYTES``); a
@@ -37,9 +37,17 @@ _statics: dict = {}  # (signature, layer class, trainable parameters' shapes) ->
 _slots: dict = {}  # (device, role, index, dtype[, shape]) -> Slot
 
 
+def _indexed(device) -> torch.device:
+    """``device`` with its index (``cuda`` is the current CUDA device): one key per device in the tables."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def epoch(device: torch.device) -> int:
     """How many times every graph on ``device`` was dropped (a graph of an older epoch is captured again)."""
-    return _epochs.get(device, 0)
+    return _epochs.get(_indexed(device), 0)
 
 
 def watch(layer) -> None:
@@ -50,9 +58,11 @@ def watch(layer) -> None:
 
 def pool_and_stream(device: torch.device):
     """The device's graph pool and side stream (``(None, None)`` off CUDA)."""
+    device = _indexed(device)
     if device.type != "cuda":
         return None, None
     if device not in _pools:
+        torch.cuda.empty_cache()  # the pool grows into what the allocator's cache holds, not beside it
         pool = torch.cuda.graph_pool_handle()
         if _routing(device, pool):  # our reference keeps the pool (and its use count) alive between captures
             _end_routing(device, pool)
@@ -109,6 +119,7 @@ def _drop_pool(device: torch.device) -> None:
 def forget_pool(device: torch.device) -> None:
     """After a failed capture (torch leaves the allocator recording into its pool): later captures take a new
     pool and stream."""
+    device = _indexed(device)
     _drop_pool(device)
     _streams.pop(device, None)
 
@@ -116,6 +127,7 @@ def forget_pool(device: torch.device) -> None:
 def renew(device: torch.device) -> None:
     """Drop every graph on ``device`` and its pool (each is captured again on its next call), so that the pool
     keeps one working set, not one per size."""
+    device = _indexed(device)
     _epochs[device] = epoch(device) + 1
     _largest.pop(device, None)
     for layer in list(_layers):
@@ -131,6 +143,7 @@ def renew(device: torch.device) -> None:
 def make_room(device: torch.device, tensors) -> None:
     """Before a capture with input ``tensors``: renew the device's graphs where these are larger than the
     inputs of every capture since the last renewal (``LARGEST_FIRST``, see the module docstring)."""
+    device = _indexed(device)
     size = sum(t.numel() * t.element_size() for t in tensors)
     if LARGEST_FIRST and size > _largest.get(device, size):
         renew(device)

@@ -33,6 +33,8 @@ from ._checks import int_arg, is_int
 from ._custom_op import custom_op
 from .reference import packing as reference
 
+__all__ = ["packed_seq_info", "PackedSeqInfo", "document_mask_mod"]
+
 OP_BOUNDARIES = dispatch.register("packing.boundaries")
 OP_FROM_CU_SEQLENS = dispatch.register("packing.from_cu_seqlens")
 OP_SDPA_MASK = dispatch.register("packing.sdpa_mask")

@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 import fastft
 from fastft import dispatch, testing
-from fastft.delta_rule import OP_DELTA_RULE, chunk_scan_op, chunk_table, gated_delta_rule, scan_chunks
+from fastft.delta_rule import (
+    OP_SCAN,
+    chunk_scan_backward_op,
+    chunk_scan_op,
+    chunk_table,
+    gated_delta_rule,
+    scan_chunks,
+)
 from fastft.reference import delta_rule as reference
 
 # fp32: max |fast - reference| <= RTOL * max |reference| + ATOL, for the output and each gradient.
@@ -283,6 +290,10 @@ def test_triton_chunk_scan_one_output_used(device, rng):
 def test_triton_chunk_scan_passes_opcheck(device, rng):
     inputs, first = scan_inputs(rng, 1, 3, 4, 4, 4, device)
     torch.library.opcheck(chunk_scan_op.op, (*(x.requires_grad_() for x in inputs), first))
+    w, u, kd, decay = (x.detach() for x in inputs)
+    states, v_new = chunk_scan_op(w, u, kd, decay, first)
+    grads = [torch.randn(x.shape, generator=rng).to(device) for x in (states, v_new)]
+    torch.library.opcheck(chunk_scan_backward_op.op, (w, kd, decay, first, states, v_new, *grads))
 
 
 # ---- transformers' implementation, one document at a time -------------------------------------------------
@@ -355,12 +366,12 @@ def test_bad_input(changes, error, match):
 def test_backend_choice(device, monkeypatch):
     """Triton wherever it runs (CUDA, the interpreter), as for every op; FASTFT_BACKEND and backend= choose."""
     monkeypatch.delenv("FASTFT_BACKEND", raising=False)
-    assert dispatch.backend_for(OP_DELTA_RULE, device) == "triton"
+    assert dispatch.backend_for(OP_SCAN, device) == "triton"
     monkeypatch.setenv("FASTFT_BACKEND", "torch")
-    assert dispatch.backend_for(OP_DELTA_RULE, device) == "torch"
-    assert dispatch.backend_for(OP_DELTA_RULE, device, "triton") == "triton"
+    assert dispatch.backend_for(OP_SCAN, device) == "torch"
+    assert dispatch.backend_for(OP_SCAN, device, "triton") == "triton"
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors without the interpreter: Triton cannot run them
-    with pytest.raises(ValueError, match="backend='triton' cannot run delta_rule.gated_delta_rule on device cpu"):
+    with pytest.raises(ValueError, match="backend='triton' cannot run delta_rule.chunk_scan on device cpu"):
         gated_delta_rule(**_args(), backend="triton")
 
 

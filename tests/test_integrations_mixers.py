@@ -27,6 +27,7 @@ REFUSED = {
     "xlstm": "xlstm",
     "zamba2": "Zamba2MambaMixer",
     "llama4_text": "chunked_attention",
+    "bart": "BartDecoderWrapper",  # positions from the token count, not position_ids
     "deepseek_v32": "deepseek_sparse_attention",
 }
 ATTENTION_ONLY = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "gemma2", "olmo3", "glm4_moe", "mistral")

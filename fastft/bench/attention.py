@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import fastft
 from fastft import attention
 
-from .common import Row, time_ms
+from .common import Row, peak_gib, time_ms
 from .models import MODEL_CONFIGS
 
 
@@ -26,17 +26,6 @@ SHAPES = {
     "Qwen3-8B": (*_heads("Qwen3-8B"), False),
     "gpt-oss-20b (sinks)": (*_heads("gpt-oss-20b"), True),
 }
-
-
-def _peak_gib(fn, device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def _dense_sinks(q, k, v, mask, sinks):
@@ -95,10 +84,10 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         path = "flash" if attention.flash_reason(q, k, sinks, 0.0, None) is None else "dense"
         fast = time_ms(ours, device, rep_ms=300 if gpu else 50)
         try:
-            slow, slow_peak = time_ms(theirs, device, rep_ms=300 if gpu else 50), _peak_gib(theirs, device)
+            slow, slow_peak = time_ms(theirs, device, rep_ms=300 if gpu else 50), peak_gib(theirs, device)
         except torch.OutOfMemoryError:
             slow, slow_peak = None, None
-        ours_peak = _peak_gib(ours, device)
+        ours_peak = peak_gib(ours, device)
         memory = (
             ""
             if ours_peak is None

@@ -40,6 +40,18 @@ def time_ms(fn, device: torch.device, *, rep_ms: int = 200) -> float:
     return statistics.median(times)
 
 
+def peak_gib(fn, device: torch.device) -> float | None:
+    """Peak memory ``fn()`` allocates above what is held before it, in GiB (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
 def graph_ms(fn, *, rep_ms: int = 100) -> float:
     """Median GPU milliseconds of ``fn()`` replayed from a CUDA graph: device time without host launch cost."""
     import triton.testing

@@ -12,7 +12,7 @@ import fastft
 from fastft import conv, dispatch
 from fastft.testing import packed_position_ids
 
-from .common import Row, time_ms
+from .common import Row, peak_gib, time_ms
 
 # name -> (channels, kernel width, bias, activation): the defaults of each family's transformers config
 SHAPES = {
@@ -33,18 +33,6 @@ def stock_conv1d(x, weight, bias, activation):
     if activation is not None:
         out = F.silu(out)
     return out.to(x.dtype).transpose(1, 2)
-
-
-def _peak_gib(fn, device) -> float | None:
-    """Peak memory ``fn()`` allocates above what is held before it."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def run(device: torch.device, quick: bool) -> list[Row]:
@@ -91,7 +79,7 @@ def run(device: torch.device, quick: bool) -> list[Row]:
                 nbytes = 5 * tokens * channels * element  # and read dout and x, write dx
             rep = 200 if gpu else 1
             ms = {k: time_ms(fn, device, rep_ms=rep) for k, fn in fns.items()}
-            peak = {k: _peak_gib(fn, device) for k, fn in fns.items()}
+            peak = {k: peak_gib(fn, device) for k, fn in fns.items()}
             note = ""
             if copy_gbs is not None:
                 floor = nbytes / (copy_gbs * 1e6)

@@ -12,9 +12,10 @@ Each column runs ``warmup`` first steps (default 3; 1 in the tiny configs) and t
 (default 20; 2 in the tiny configs), every step on the next batch, its loss read as a logging loop does.
 Reported: steady-state tokens/s (real tokens, no padding, over the timed steps' wall time), the mean step
 time, the wall time of the first steps apart (autotune, compiles, CUDA graph captures happen there: shown,
-not hidden), peak memory over the timed steps with what CUDA graph pools hold, the graphs ``torch.compile``
-compiled and the CUDA graphs ``fastft.graphs`` captured, each in the first steps and in the timed steps (a
-stack that recompiles or captures per batch shape shows it in the second), and every step's loss.
+not hidden), peak memory over the timed steps (reserved: what the process holds, CUDA graph pools
+included), the graphs ``torch.compile`` compiled and the CUDA graphs ``fastft.graphs`` captured, each in the
+first steps and in the timed steps (a stack that recompiles or captures per batch shape shows it in the
+second), and every step's loss.
 
 The columns (``fastft.bench.columns``, whose names are re-exported here): naive glue, the stock
 transformers stacks, Liger-Kernel + stock flex, and fastft's stacks; one model build each, the same weights
@@ -172,7 +173,7 @@ class Steps:
     seconds: list  # each step's wall time, to the end of its GPU work
     compiles: list  # graphs torch.compile compiled during each step
     captures: list  # fastft.graphs captures during each step (one per layer and signature)
-    peak_bytes: int  # peak over the steps after ``warmup`` (CUDA graph pools included); -1 without a GPU
+    peak_bytes: int  # peak reserved memory over the steps after ``warmup`` (graph pools included); -1 without a GPU
 
 
 def _compiled_graphs() -> int:
@@ -193,6 +194,7 @@ def train(model, inputs, warmup: int, device) -> Steps:
     for i, batch in enumerate(inputs):
         if cuda and i == warmup:
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the peak reserved counts what the timed steps hold, not the first steps' cache
             torch.cuda.reset_peak_memory_stats()
         compiled, captured = _compiled_graphs(), capture_count()
         start = time.perf_counter()
@@ -211,7 +213,7 @@ def train(model, inputs, warmup: int, device) -> Steps:
         seconds.append(time.perf_counter() - start)
         compiles.append(_compiled_graphs() - compiled)
         captures.append(capture_count() - captured)
-    peak = torch.cuda.max_memory_allocated() + graph_pool_bytes() if cuda else -1
+    peak = torch.cuda.max_memory_reserved() if cuda else -1  # what the process holds: CUDA graph pools included
     return Steps(losses, seconds, compiles, captures, peak)
 
 
@@ -220,15 +222,6 @@ def step_ms(model, batch, steps: int, device) -> tuple[float, int, float]:
     pools included), first step's loss)."""
     result = train(model, [batch] * (steps + 2), 2, device)
     return statistics.median(result.seconds[2:]) * 1000, result.peak_bytes, result.losses[0]
-
-
-def graph_pool_bytes() -> int:
-    """Memory that CUDA graphs' private pools hold beyond live tensors: their replays use it, the allocator's
-    peak does not count it."""
-    segments = torch.cuda.memory_snapshot()
-    return sum(
-        s["total_size"] - s["allocated_size"] for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)
-    )
 
 
 def _reset_compiles() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import Row, time_ms
+from .common import Row, peak_gib, time_ms
 
 LORA_RANK = 16
 
@@ -81,17 +81,6 @@ def run(device: torch.device, quick: bool) -> list[Row]:
     return rows
 
 
-def _peak_gib(fn, device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
-
-
 def _lora_rows(experts, x, ids, weights, shape, backend, device, rep_ms) -> list[Row]:
     """One experts block (on fastft's experts path) with PEFT LoRA on ``gate_up_proj`` and ``down_proj``:
     PEFT's forward against ``fastft.integrations.peft.use_lora``'s, weights frozen, adapters training; and
@@ -121,11 +110,11 @@ def _lora_rows(experts, x, ids, weights, shape, backend, device, rep_ms) -> list
         holder.zero_grad(set_to_none=True)
 
     try:
-        peft_ms, peft_peak = time_ms(step, device, rep_ms=rep_ms), _peak_gib(step, device)
+        peft_ms, peft_peak = time_ms(step, device, rep_ms=rep_ms), peak_gib(step, device)
     except torch.OutOfMemoryError:
         peft_ms = peft_peak = None
     ft_peft.use_lora(holder)
-    ours_ms, ours_peak = time_ms(step, device, rep_ms=rep_ms), _peak_gib(step, device)
+    ours_ms, ours_peak = time_ms(step, device, rep_ms=rep_ms), peak_gib(step, device)
     ft_peft.revert_lora(holder)
     note = f"r={LORA_RANK}; fastft without LoRA (frozen weights) {plain_ms:.3f} ms, x{ours_ms / plain_ms:.2f} with"
     if ours_peak is not None:

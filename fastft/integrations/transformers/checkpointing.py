@@ -17,7 +17,7 @@ def graphs_arg(graphs) -> bool | str:
     """``graphs`` if it is True, False or ``"auto"``; ``TypeError`` otherwise (truthy strings included)."""
     if graphs is True or graphs is False or (type(graphs) is str and graphs == "auto"):
         return graphs
-    raise TypeError(f"graphs must be True, False or 'auto', got {graphs!r}")
+    raise TypeError(f"graphs must be True, False or 'auto', got {type(graphs).__name__} {graphs!r}")
 
 
 def checkpoint_function(config: OffloadConfig | None = None, *, graphs: bool | str = False, **config_fields):

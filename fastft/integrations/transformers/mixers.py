@@ -5,8 +5,9 @@ packing-correct, and fastft's ops in the mixers it can.
   independent signs, so that a family missing from any list is still caught: the config's ``layer_types``
   (anything but attention and per-token MLP kinds), the modules (a convolution wider than one token, the
   decay parameters of state-space and delta-rule layers), the names of the model type and of the modules'
-  classes (read without the family's prefix). ``check_packing(model)`` raises a ``ValueError`` naming those
-  fastft does not support.
+  classes (read without the family's prefix); and a decoder stack whose forward takes no ``position_ids``
+  (its positions would run on across documents). ``check_packing(model)`` raises a ``ValueError`` naming
+  those fastft does not support.
 - Supported: Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid) and LFM2's short convolutions.
   ``use_packed_mixers(model)`` replaces the functions their modeling module calls, ``causal_conv1d_fn`` and
   ``torch_chunk_gated_delta_rule``, by ``fastft.packed_conv1d`` and ``fastft.gated_delta_rule`` fed the
@@ -42,7 +43,7 @@ MIXER_NAMES = re.compile(
     re.IGNORECASE,
 )
 WHAT_TO_DO = (
-    "fastft cannot keep documents apart in these layers yet, so packed training would carry state from one "
+    "fastft cannot keep documents apart there yet, so packed training would carry state or positions from one "
     "document into the next: train without packing (apply(model, packing=False) and padded batches), or a model "
     "whose layers fastft supports (attention, Gated DeltaNet, LFM2's short convolutions)"
 )
@@ -169,6 +170,10 @@ def packing_blockers(model) -> list[Blocker]:
     inner = transformers_model(model)
     modules = dict(_language_model(inner).named_modules())
     blockers = _config_blockers(inner)
+    stack = decoder_stack(inner)
+    if "position_ids" not in inspect.signature(stack.forward).parameters:  # e.g. BART's decoder as a causal LM
+        why = "its forward takes no position_ids: positions run on across documents"
+        blockers.append(Blocker("decoder stack", type(stack).__name__, why))
     for blocker in _module_blockers(inner):
         module = modules.get(blocker.where)
         if module is None or not supported(module):
@@ -185,7 +190,7 @@ def check_packing(model) -> None:
     shown = "; ".join(f"{b.where} ({b.kind}: {b.why})" for b in blockers[:4])
     more = f"; and {len(blockers) - 4} more" if len(blockers) > 4 else ""
     name = type(transformers_model(model)).__name__
-    raise ValueError(f"{name} has layers that mix tokens outside attention ({kinds}): {shown}{more}. {WHAT_TO_DO}")
+    raise ValueError(f"{name} has layers fastft cannot make packing-correct ({kinds}): {shown}{more}. {WHAT_TO_DO}")
 
 
 # ---- fastft's ops in the supported mixers --------------------------------------------------------------------
@@ -213,6 +218,7 @@ def _conv_fn(original):
         out = packed_conv1d(hidden_states.transpose(1, 2), weight, info, bias=bias, activation=activation)
         return out.transpose(1, 2)
 
+    causal_conv1d_fn.__wrapped__ = original  # inspect.unwrap finds transformers' own
     return causal_conv1d_fn
 
 
@@ -249,6 +255,7 @@ def _delta_rule_fn(original):
         out = gated_delta_rule(query, key, value, g, beta, info, use_qk_l2norm=use_qk_l2norm_in_kernel)
         return out, None
 
+    torch_chunk_gated_delta_rule.__wrapped__ = original
     return torch_chunk_gated_delta_rule
 
 
