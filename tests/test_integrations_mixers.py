@@ -250,3 +250,23 @@ def test_another_model_of_the_family_keeps_transformers_path(rng):
         revert(fast)
         torch.testing.assert_close(plain(input_ids=ids, position_ids=pos, use_cache=False).logits, expected)
     assert not mixers._patched
+
+
+def test_attention_that_gets_no_document_boundaries_is_refused(rng):
+    """A model whose layers do not hand their keyword arguments to attention (as Moshi's) would attend across
+    documents: the attention function refuses instead of taking each row for one document."""
+    model = apply(tiny("llama"), offload_checkpointing=False)
+    attention = model.model.layers[1].self_attn
+    forward = attention.forward
+
+    def forward_without_kwargs(*args, **kwargs):
+        kwargs.pop("fastft_packed_info", None)
+        kwargs.pop("position_ids", None)
+        return forward(*args, **kwargs)
+
+    attention.forward = forward_without_kwargs
+    ids, pos, _ = documents(rng, model.config.vocab_size)
+    with pytest.raises(ValueError, match="neither the batch's PackedSeqInfo nor position ids"):
+        model(input_ids=ids, position_ids=pos)
+    revert(model)
+    model(input_ids=ids, position_ids=pos)  # the model's own attention again

@@ -4,6 +4,8 @@ for every layer."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ...attention import packed_attention
@@ -13,6 +15,9 @@ from .graph_padding import pad_for_graphs
 from .mixers import check_packing, use_packed_mixers
 
 ATTENTION_IMPLEMENTATION = "fastft"
+
+
+_PACKED = weakref.WeakSet()  # the modules of models under use_packed_attention: their attention must get the info
 
 
 def batch_info(batch: int, tokens: int, device, kwargs: dict):
@@ -57,6 +62,12 @@ def attention_forward(
         )
     info = kwargs.get(PACKED_INFO_KWARG)
     if info is None:
+        if module in _PACKED and kwargs.get("position_ids") is None and kwargs.get("cu_seq_lens_q") is None:
+            raise ValueError(
+                f"{type(module).__name__} gets neither the batch's PackedSeqInfo nor position ids: its model does not "
+                "hand the layers' keyword arguments to attention, so fastft cannot see where documents start; "
+                "apply(model, packing=False) keeps the model's own attention"
+            )
         info = batch_info(query.shape[0], query.shape[2], query.device, kwargs)
     window = int(sliding_window) if sliding_window else None
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
@@ -147,9 +158,14 @@ def use_packed_attention(model):
     if "attention" not in state.records:
         hook = decoder_stack(model).register_forward_pre_hook(prepare_packed_batch, with_kwargs=True)
 
+        layers = list(inner.modules())
+        _PACKED.update(layers)
+
         def undo():
             hook.remove()
             inner.set_attn_implementation(before)
+            for layer in layers:
+                _PACKED.discard(layer)
 
         state.add("attention", before, undo)
     use_packed_mixers(inner)
