@@ -16,20 +16,9 @@ import fastft
 from fastft import delta_rule, dispatch
 from fastft.reference import delta_rule as reference
 
-from .common import Row, time_ms
+from .common import Row, peak_gib, time_ms
 
 HEADS, HEAD_DIM, CHUNK = 32, 128, 64  # Qwen3_5TextConfig / Qwen3NextConfig: linear_num_value_heads, *_head_dim
-
-
-def _peak_gib(fn, device) -> float | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def _lengths(tokens: int, docs: int) -> list[int]:
@@ -87,13 +76,13 @@ def run(device: torch.device, quick: bool) -> list[Row]:
 
         torch.testing.assert_close(ours().float(), per_document().float(), rtol=2e-2, atol=2e-2)
         fast = time_ms(step(ours), device)
-        peak = _peak_gib(step(ours), device)
+        peak = peak_gib(step(ours), device)
         shape = f"T={tokens}, {len(lengths)} docs, {heads}x{dim}, {str(dtype).removeprefix('torch.')}"
         baselines = [("hf torch chunked, packed (leaks)", packed), ("hf torch chunked, per document", per_document)]
         if chosen == "triton":
             baselines.insert(0, ("fastft, torch loop over chunks", torch_loop))
         for label, fn in baselines:
-            their_peak = _peak_gib(step(fn), device)
+            their_peak = peak_gib(step(fn), device)
             memory = "" if peak is None else f"peak {their_peak:.2f} GiB vs fastft {peak:.2f} GiB"
             rows.append(Row("gated_delta_rule fwd+bwd", shape, label, time_ms(step(fn), device), fast, chosen, memory))
         if not gpu:  # the specification, a loop over tokens: CPU sizes only
