@@ -332,10 +332,34 @@ def check_attention(g: torch.Generator, device, max_tokens: int) -> None:
 
 # op name -> fn(generator, device, max_tokens): one random differential case (``python -m fastft check``);
 # lora (no Triton kernel) checks its op against its reference
+def check_conv(g: torch.Generator, device, max_tokens: int) -> None:
+    """``packed_conv1d`` on the dispatched backend against ``fastft.reference.conv`` (each document through
+    ``F.conv1d`` alone): the output and the gradients of x, weight and bias, fp32 within 1e-5."""
+    from fastft.reference import conv as reference
+
+    n, c, w = randint(g, 1, max_tokens), randint(g, 1, 40), randint(g, 1, fastft.conv.MAX_WIDTH)
+    info = fastft.packed_seq_info(
+        seq_lengths=random_seq_lengths(g, n, randint(g, 1, 2 * w + 2)), num_tokens=n, device=device
+    )
+    x = torch.randn(n, c, generator=g).to(device).requires_grad_()
+    weight = torch.randn(c, w, generator=g).to(device).requires_grad_()
+    bias = torch.randn(c, generator=g).to(device).requires_grad_() if randint(g, 0, 1) else None
+    activation = "silu" if randint(g, 0, 1) else None
+    grad = torch.randn(n, c, generator=g).to(device)
+    leaves = [x, weight] + ([bias] if bias is not None else [])
+    out = fastft.packed_conv1d(x, weight, info, bias=bias, activation=activation)
+    expected = reference.packed_conv1d(x, weight, bias, info.cu_seqlens, activation is not None)
+    got = (out, *torch.autograd.grad(out, leaves, grad))
+    want = (expected, *torch.autograd.grad(expected, leaves, grad))
+    for name, a, b in zip(("out", "dx", "dweight", "dbias"), got, want):
+        assert_same(a, b, atol=1e-5, rtol=1e-5, path=f"packed_conv1d {name} (W={w}, {activation})")
+
+
 CHECKS = {
     "packing": check_packing,
     "routing": check_routing,
     "attention": check_attention,
     "copy": check_copy,
     "lora": check_lora,
+    "conv": check_conv,
 }

@@ -215,3 +215,12 @@ def test_gpu_bf16_real_sizes_without_host_sync(rng, channels, width, activation)
         torch_dx, _ = _grads(torch_out, x, weight, None, grad)
     torch.testing.assert_close(torch_out, out, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(torch_dx, dx, atol=2e-2, rtol=1e-2)
+
+
+def test_the_check_command_case(device, rng):
+    """``python -m fastft check``'s conv case: the dispatched backend against the reference, every gradient."""
+    from fastft import checks
+
+    assert checks.CHECKS["conv"] is checks.check_conv
+    for _ in range(3):
+        checks.check_conv(rng, device, 24)
