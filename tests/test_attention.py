@@ -98,7 +98,9 @@ def test_autocast_casts_inputs_like_sdpa(rng):
                 fastft.packed_attention(q, k, v.bfloat16(), info)
     want = fastft.packed_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), info, sinks=sinks)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got, want, atol=1e-2, rtol=2e-2)  # autocast also runs the dense path's ops
+    # autocast also runs the dense path's ops in bf16, rounding in other places than the cast-first call: the
+    # outputs (|x| < 4) may differ by two bf16 steps (0.0156 each in [2, 4))
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=2e-2)
 
 
 def test_matches_transformers_gpt_oss_eager_attention(rng):
