@@ -156,8 +156,10 @@ def _record(device, rows) -> dict:
 
 def _check_e2e_args(args, device) -> None:
     """Usage errors of bench --e2e (and audit) found before anything runs."""
-    from fastft.bench import e2e
+    from fastft.bench import e2e, quant
 
+    if why := quant.why_unavailable(args.quant, device):
+        args.usage_error(f"--quant {args.quant} {why}")
     for column in args.column or ():
         why = e2e.why_not(column, device)
         if why:
@@ -175,7 +177,7 @@ def cmd_bench_e2e(args, device) -> int:
     _check_e2e_args(args, device)
     if args.nproc is not None:
         return cmd_bench_distributed(args, device)
-    plan = dict(stream=args.stream, warmup=args.warmup, steps=args.steps)
+    plan = dict(stream=args.stream, warmup=args.warmup, steps=args.steps, quant=args.quant)
     print(e2e.describe(device, args.quick, args.column, **plan))
     records = e2e.run(device, args.quick, args.model, args.column, **plan)
     if not records:
@@ -245,19 +247,24 @@ def cmd_audit(args) -> int:
     _check_e2e_args(argparse.Namespace(**{**vars(args), "column": [args.column]}), device)
     tiny = args.quick or device.type != "cuda"
     batches = e2e.model_stream(args.model, args.stream, tiny, device)
-    (model, _), restore = e2e.build(args.model, args.column, device, tiny)
+    (model, _), restore = e2e.build(args.model, args.column, device, tiny, quant=args.quant)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
 
     def step():  # each call trains on the stream's next batch (padded columns: its micro-batches)
-        for inputs, weight in e2e.micro_batches(e2e.step_inputs(args.column, next(batches), args.model, tiny)):
+        step_inputs = e2e.step_inputs(args.column, next(batches), args.model, tiny, args.host_lengths)
+        for inputs, weight in e2e.micro_batches(step_inputs):
             loss = model(**inputs).loss
             (loss if weight is None else loss * weight).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     try:
-        print(f"{args.model}, column '{args.column}', {args.stream} stream" + (" (tiny config)" if tiny else ""))
+        lengths = ", boundaries as host cu_seq_lens_q" if args.host_lengths else ""
+        lengths += ", decoder linear layers in bitsandbytes 4-bit nf4" if args.quant == "nf4" else ""
+        print(
+            f"{args.model}, column '{args.column}', {args.stream} stream{lengths}" + (" (tiny config)" if tiny else "")
+        )
         print(audit(step, model=model, layers=decoder_layers(model), steps=args.steps))
     finally:
         restore()
@@ -343,6 +350,7 @@ BENCH_FAMILIES = (
 def build_parser() -> argparse.ArgumentParser:
     from fastft.bench.distributed import MODES as DISTRIBUTED_MODES
     from fastft.bench.e2e import COLUMNS, LEGEND, MODELS, STREAM_CHOICES
+    from fastft.bench.quant import QUANTS
 
     intro, _, rest = __doc__.split("\n\n", 2)  # the commands' list is argparse's own
     parser = argparse.ArgumentParser(
@@ -436,10 +444,24 @@ def build_parser() -> argparse.ArgumentParser:
         default="padding-free",
         help="the e2e stream each step draws its batch from: fixed or padding-free (default)",
     )
+    p.add_argument(
+        "--host-lengths",
+        action="store_true",
+        help="packed columns also get the documents' boundaries from the host (a flattening collator's "
+        "cu_seq_lens_q/k and max_length_q/k, cu_seq_lens kept on the CPU), not only device position_ids",
+    )
     p.add_argument("--quick", action="store_true", help="tiny config (always on without a GPU)")
     p.set_defaults(fn=cmd_audit, usage_error=p.error)
     p = sub.add_parser("tune", help="measure launch parameters and rewrite autotune_cache/<arch>.json")
     p.set_defaults(fn=cmd_tune)
+    for name in ("bench", "audit"):
+        sub.choices[name].add_argument(
+            "--quant",
+            choices=list(QUANTS),
+            help=("with --e2e: " if name == "bench" else "")
+            + "nf4: the model with its decoder's linear layers in bitsandbytes 4-bit NF4 (QLoRA; "
+            "needs a GPU, bitsandbytes, accelerate and peft); default none",
+        )
     for name in ("bench", "tune"):
         sub.choices[name].add_argument(
             "--only",
@@ -463,7 +485,7 @@ def main(argv=None) -> int:
         args.usage_error("--parallel is taken with --nproc only")
     if args.cmd == "bench" and not args.e2e and args.nproc is not None:
         args.usage_error("--nproc is taken with --e2e only")
-    for option in ("stream", "warmup", "steps"):
+    for option in ("stream", "warmup", "steps", "quant"):
         if args.cmd == "bench" and getattr(args, option) is not None and (not args.e2e or args.nproc is not None):
             args.usage_error(f"--{option} is taken with --e2e only (not with --nproc)")
     if args.cmd == "bench" and args.e2e and args.only:

@@ -51,7 +51,7 @@ class AuditReport:
                 if self.kernel_ms is not None
                 else " (no GPU: no kernel time)"
             ),
-            f"  launches {self.launches:.0f} ({what}), host syncs {self.syncs:.0f}",
+            f"  launches {self.launches:.0f} ({what}), host syncs {self.syncs:g}",
         ]
         for source, n in self.sync_sources:
             lines.append(f"    sync from {source}: {n:g}")

@@ -11,6 +11,10 @@ Numerics: the adapter path runs in the activations' dtype with the GEMMs' fp32 a
 differs from the reference (``fastft.reference.lora``) by the rounding of that dtype; with fp32 inputs it
 matches to fp32 rounding. Adapter gradients come back in the adapters' dtype. The base weight and bias are
 frozen: ``lora_linear`` raises if they require grad.
+
+A quantized base (QLoRA: bitsandbytes 4-bit) is given as a function that returns the dequantized weight:
+it is called in forward and again in backward, so no layer keeps a full-precision copy of its weight
+between the two.
 """
 
 from __future__ import annotations
@@ -25,14 +29,15 @@ __all__ = ["lora_linear"]
 
 class _LoRALinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling, dequantize=None):
         x2 = x.reshape(-1, x.shape[-1])
         a = lora_a.to(x.dtype)
         b = lora_b.to(x.dtype)
         xa = x2 @ a.T  # [N, r]
         out = F.linear(x2, weight, bias)
         out.addmm_(xa, b.T, alpha=scaling)
-        ctx.save_for_backward(x2 if lora_a.requires_grad else None, xa, weight, a, b)
+        ctx.dequantize = dequantize  # backward materialises the weight again instead of keeping it
+        ctx.save_for_backward(x2 if lora_a.requires_grad else None, xa, None if dequantize else weight, a, b)
         ctx.scaling, ctx.shape = scaling, x.shape
         ctx.dtypes = (lora_a.dtype, lora_b.dtype)
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -47,12 +52,14 @@ class _LoRALinear(torch.autograd.Function):
         dyb = dy @ b  # [N, r]; the scaling goes into the GEMMs below
         dx = da = db = None
         if ctx.needs_input_grad[0]:
+            if weight is None:
+                weight = ctx.dequantize()
             dx = (dy @ weight).addmm_(dyb, a, alpha=s).view(ctx.shape)
         if ctx.needs_input_grad[3]:
             da = _scaled_mm(dyb.T, x2, s).to(ctx.dtypes[0])
         if ctx.needs_input_grad[4]:
             db = _scaled_mm(dy.T, xa, s).to(ctx.dtypes[1])
-        return dx, None, None, da, db, None
+        return dx, None, None, da, db, None, None
 
 
 def _scaled_mm(m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -62,7 +69,7 @@ def _scaled_mm(m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> torch.Tensor
 
 def lora_linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight,
     bias: torch.Tensor | None,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
@@ -71,11 +78,16 @@ def lora_linear(
     """``x @ weight.T + bias + scaling * (x @ lora_a.T) @ lora_b.T`` in ``x``'s dtype, differentiable in
     ``x``, ``lora_a`` and ``lora_b``.
 
-    ``x``: ``[..., in]`` floating; ``weight``: ``[out, in]`` frozen, ``x``'s dtype; ``bias``: ``[out]`` frozen
-    or None; ``lora_a``: ``[r, in]``; ``lora_b``: ``[out, r]``; ``scaling``: a Python number. All on one device.
-    ``TypeError`` for a non-tensor, non-floating tensor, dtype mismatch or non-number ``scaling``; ``ValueError``
-    for mismatched shapes, zero ``in`` or ``out`` features, tensors on several devices or a base that requires grad.
+    ``x``: ``[..., in]`` floating; ``weight``: ``[out, in]`` frozen, ``x``'s dtype, or a function of no
+    arguments returning it (a quantized base, dequantized in forward and again in backward, never kept);
+    ``bias``: ``[out]`` frozen or None; ``lora_a``: ``[r, in]``; ``lora_b``: ``[out, r]``; ``scaling``: a
+    Python number. All on one device. ``TypeError`` for a non-tensor, non-floating tensor, dtype mismatch or
+    non-number ``scaling``; ``ValueError`` for mismatched shapes, zero ``in`` or ``out`` features, tensors on
+    several devices or a base that requires grad.
     """
+    dequantize = None
+    if callable(weight) and not isinstance(weight, torch.Tensor):
+        dequantize, weight = weight, weight()
     for name, t in (("x", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)) + (
         (("bias", bias),) if bias is not None else ()
     ):
@@ -110,4 +122,4 @@ def lora_linear(
         )
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise ValueError("lora_linear takes a frozen base layer: weight and bias must not require grad")
-    return _LoRALinear.apply(x, weight, bias, lora_a, lora_b, number_arg("scaling", scaling))
+    return _LoRALinear.apply(x, weight, bias, lora_a, lora_b, number_arg("scaling", scaling), dequantize)

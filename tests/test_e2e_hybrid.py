@@ -126,3 +126,39 @@ def test_audit_on_qwen35(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "Qwen3.5, column 'fastft', padding-free stream (tiny config)" in out
     assert "Qwen3_5GatedDeltaNet" in out and "host syncs 0" in out
+
+
+def test_host_lengths_give_fastft_the_same_step(rng, monkeypatch):
+    """The stream's boundaries as a flattening collator's host ``cu_seq_lens_q`` (what keeps fastft free of host
+    syncs) train the same step as device ``position_ids``."""
+    from fastft.integrations.transformers import apply
+
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    batch = packed_batch(_lengths(rng, 6, 1, 40), 200, rng)
+    inputs = batch.inputs(host_lengths=True)
+    cu = inputs["cu_seq_lens_q"]
+    assert cu.device.type == "cpu" and cu.dtype == torch.int32 and inputs["cu_seq_lens_k"] is cu
+    assert cu.tolist() == [0, *torch.tensor(batch.seq_lengths).cumsum(0).tolist()]
+    assert inputs["max_length_q"] == inputs["max_length_k"] == max(batch.seq_lengths)
+    assert e2e.step_inputs("fastft", batch, "Qwen3.5", True, host_lengths=True).keys() == inputs.keys()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(e2e.model_config("Qwen3.5", tiny=True))
+    apply(model, lora=False)
+    results = []
+    for step in (batch.inputs(), inputs):
+        model.zero_grad(set_to_none=True)
+        loss = model(**step).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and len(grads_a) == len(grads_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
+def test_audit_with_host_lengths_on_qwen35(capsys, monkeypatch):
+    from fastft.__main__ import main
+
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    assert main(["audit", "--model", "Qwen3.5", "--steps", "1", "--device", "cpu", "--host-lengths"]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen3.5, column 'fastft', padding-free stream, boundaries as host cu_seq_lens_q (tiny config)" in out

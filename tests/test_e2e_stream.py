@@ -84,7 +84,7 @@ def test_bad_stream_arguments_fail_at_the_call():
 
 def test_the_columns_table():
     c = e2e.COLUMNS
-    assert {n for n in c if c[n].peer} == {n for n in c if "stock" in n}
+    assert {n for n in c if c[n].peer} == {n for n in c if "stock" in n} | {"unsloth"}
     assert {n for n in c if c[n].padded} == {"stock sdpa, padded", "stock sdpa, padded, fla"}
     assert {n for n in c if c[n].mixers_only} == {n for n in c if "flash-linear-attention" in c[n].needs}
     assert {n for n in c if c[n].fastft} == {n for n in c if n.startswith("fastft")}
@@ -173,3 +173,21 @@ def test_train_counts_what_torch_compile_compiles_in_each_step():
     assert steps.compiles == [1, 0, 1, 0, 1] and steps.captures == [0] * 5
     assert len(steps.losses) == len(steps.seconds) == 5 and all(s > 0 for s in steps.seconds)
     assert steps.peak_bytes == -1  # no GPU memory to count
+
+
+def test_a_peer_that_fails_is_its_rows_result_and_fastft_failing_stops_the_run(monkeypatch, capsys):
+    """A peer's own error (flash-linear-attention refusing Hopper's Triton) is recorded with the row; fastft's
+    columns never hide one."""
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results")
+
+    monkeypatch.setattr(e2e, "train", refuse)
+    cpu = torch.device("cpu")
+    (record,) = e2e.run(cpu, True, ["Qwen3-0.6B"], ["stock sdpa"], stream="fixed", warmup=1, steps=1)
+    assert (
+        record["error"].startswith("RuntimeError: Triton >= 3.4.0") and record["tokens_per_s"] != record["tokens_per_s"]
+    )
+    assert "stock sdpa             failed: RuntimeError: Triton >= 3.4.0" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="Hopper"):
+        e2e.run(cpu, True, ["Qwen3-0.6B"], ["fastft"], stream="fixed", warmup=1, steps=1)

@@ -31,6 +31,37 @@ def test_no_grad_for_frozen_inputs_and_empty_batch():
     assert empty.shape == (2, 0, weight.shape[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_as_a_function_is_materialised_in_forward_and_backward_only(dtype, rng):
+    """A quantized base given as a function of no arguments: the same results as the tensor it returns, bit for
+    bit, and the function runs once in forward and once in backward (the weight is not kept between them)."""
+    device = "cuda" if GPU and dtype == torch.bfloat16 else "cpu"
+    x, weight, b, lora_a, lora_b, scaling = checks.random_lora_case(rng, dtype=dtype, device=device, bias=True)
+    grad = torch.randn(x.shape[:-1] + (weight.shape[0],), generator=rng).to(device, dtype)
+    calls = []
+
+    def dequantize():
+        calls.append(1)
+        return weight.clone()  # a fresh tensor each call, as a dequantization makes
+
+    results = []
+    for w in (weight, dequantize):
+        for t in (x, lora_a, lora_b):
+            t.grad = None
+        y = lora_linear(x, w, b, lora_a, lora_b, scaling)
+        y.backward(grad)
+        results.append((y.detach(), x.grad, lora_a.grad, lora_b.grad))
+    assert len(calls) == 2
+    for ours, theirs in zip(*results):
+        assert torch.equal(ours, theirs)
+    calls.clear()
+    with torch.no_grad():
+        lora_linear(x, dequantize, b, lora_a, lora_b, scaling)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="must match weight's in features"):
+        lora_linear(x, lambda: torch.cat([weight, weight], 1), b, lora_a, lora_b, scaling)  # checked like a tensor
+
+
 def test_errors():
     x, w, a, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(2, 8), torch.randn(5, 2)
     with pytest.raises(TypeError, match="x must be a tensor"):

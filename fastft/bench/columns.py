@@ -31,6 +31,11 @@ one ``Column`` each, built on a transformers model with random weights from ``fa
   ``target_parameters``), what MoE fine-tunes train;
 - ``fastft, graphs`` and ``fastft + liger, graphs``: the same with ``apply(..., graphs=True)``, each
   checkpointed layer replayed as CUDA graphs (GPU only; a new batch signature is captured when it comes).
+- ``unsloth`` (GPU and unsloth only): Unsloth's own stack (``fastft.bench.unsloth``, in a process of its own:
+  Unsloth patches transformers, peft and trl when imported): the same weights saved and loaded through
+  ``FastLanguageModel`` (MoE models: ``FastModel``), LoRA r=16 on the same projections through its
+  ``get_peft_model``, its gradient checkpointing, the same packed rows with their boundaries as
+  ``packed_seq_lengths``; a peer.
 
 Every column but naive glue's trains LoRA r=16 through PEFT (all weights without peft), with gradient
 checkpointing. Peers (``Column.peer``) are the columns users run without fastft: ``stock *`` and
@@ -178,6 +183,16 @@ def _nothing() -> None:
     pass
 
 
+def lora_targets(model, name: str) -> list[str]:
+    """The module names LoRA goes on in the e2e model ``name``: the attention (and dense MLP) projections and
+    the linear layers of the other token mixers (Gated DeltaNet's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a,
+    out_proj)."""
+    moe = is_moe(name)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] + ([] if moe else ["gate_proj", "up_proj", "down_proj"])
+    mixer_linears = (n for m in _mixer_modules(model) for n, c in m.named_children() if isinstance(c, torch.nn.Linear))
+    return targets + list(dict.fromkeys(mixer_linears))
+
+
 def _peft(model, name: str, experts: bool = False):
     """(model, whether LoRA is on): PEFT's LoRA r=16 on the attention (and dense MLP) projections, and on the
     experts' weights with ``experts``; the model itself when peft is not installed (all weights train)."""
@@ -185,12 +200,7 @@ def _peft(model, name: str, experts: bool = False):
         import peft
     except ImportError:
         return model, False
-    moe = is_moe(name)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] + ([] if moe else ["gate_proj", "up_proj", "down_proj"])
-    # the linear layers of the other token mixers: Gated DeltaNet's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a,
-    # out_proj
-    mixer_linears = (n for m in _mixer_modules(model) for n, c in m.named_children() if isinstance(c, torch.nn.Linear))
-    targets += list(dict.fromkeys(mixer_linears))
+    targets = lora_targets(model, name)
     on_experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else None
     lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, target_parameters=on_experts)
     return peft.get_peft_model(model, lora), True
@@ -271,6 +281,16 @@ def _fastft_setup(model, name: str, lora: bool = True, experts: bool = False, gr
     return model, has_lora, _nothing
 
 
+def _in_own_process(model, name: str):
+    raise RuntimeError("this column runs in a process of its own (Column.own_process), never in this one")
+
+
+def _unsloth(*args, **kwargs) -> dict:
+    from .unsloth import run_unsloth_column  # imports nothing of unsloth here: its worker process does
+
+    return run_unsloth_column(*args, **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class Column:
     """One stack under test (see the module docstring)."""
@@ -284,6 +304,9 @@ class Column:
     moe_only: bool = False  # runs on MoE models only
     mixers_only: bool = False  # runs on models whose layers mix tokens outside attention only
     padded: bool = False  # trains on the stream's documents padded (``fastft.bench.stream.padded``), not packed
+    # runs in a process of its own instead of ``setup`` (never called): (model name, stream kind, column, device,
+    # tiny, the stream's batches, warmup, quant=None) -> the record ``e2e.record`` gives
+    own_process: Callable | None = None
 
 
 COLUMNS = {
@@ -335,6 +358,7 @@ COLUMNS = {
             needs=("liger-kernel",),
             fastft=True,
         ),
+        Column("unsloth", _in_own_process, gpu_only=True, needs=("unsloth",), peer=True, own_process=_unsloth),
     )
 }
 
@@ -360,16 +384,28 @@ def dtype_for(device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def build(name: str, column: str, device, tiny: bool, model=None):
+def build(name: str, column: str, device, tiny: bool, model=None, quant=None):
     """((model, whether LoRA is on), a function to call after the column ran: it undoes Liger's module patches).
     ``model``: one already built from ``model_config`` (e.g. loaded under a distributed plan) instead of a
-    fresh one with the fixed seed."""
+    fresh one with the fixed seed. ``quant``: ``"nf4"``, the fresh model's decoder linear layers in
+    bitsandbytes 4-bit (``fastft.bench.quant.quantized``; saved once per model and loaded for each column)."""
     import transformers
 
-    if model is None:
+    from . import quant as quantization
+
+    quant = quantization.quant_arg(quant)
+    if model is not None and quant is not None:
+        raise ValueError("build: quant is taken for a fresh model only, not with model=")
+
+    def fresh():
         torch.manual_seed(0)
         with torch.device(device):  # initialise on the device: minutes on a CPU for billions of weights
-            model = transformers.AutoModelForCausalLM.from_config(model_config(name, tiny), dtype=dtype_for(device))
+            return transformers.AutoModelForCausalLM.from_config(model_config(name, tiny), dtype=dtype_for(device))
+
+    if model is None:
+        model = quantization.quantized(fresh, quant, key=(name, tiny, str(device)))
+        if quant is not None:  # the adapters' initialisation: the same in each column, built or loaded again
+            torch.manual_seed(0)
     model, lora, restore = COLUMNS[column].setup(model.train(), name)
     return (model, lora), restore
 
@@ -413,6 +449,8 @@ def leaks(column: str, name: str) -> str | None:
     c = COLUMNS[column]
     if c.fastft or c.padded:
         return None
+    if c.own_process is not None:  # unsloth: its own packing (packed_seq_lengths); the loss check tells
+        return None
     if has_mixers(name):
         return "its layers mix tokens outside attention, across documents"
     if has_sinks(name) and c.peer:
@@ -421,5 +459,6 @@ def leaks(column: str, name: str) -> str | None:
 
 
 def columns(device: torch.device, only=None) -> list[str]:
-    """The columns that run here (see the module docstring), of ``only`` if given."""
+    """The columns that run here (see the module docstring), on a ``quant`` model if given, of ``only`` if
+    given."""
     return [c for c in COLUMNS if why_not(c, device) is None and (not only or c in only)]

@@ -30,6 +30,10 @@ step's predicted tokens, sum to the packed row's loss: one optimizer step per ba
 that lets documents see each other on a model (``leaks``: stock packing on Qwen3.5, whose Gated DeltaNet
 layers carry state across documents; stock gpt-oss) is marked so in the table and the JSON (``leaks``).
 
+QLoRA (``quant="nf4"``, ``--quant nf4``; ``fastft.bench.quant``): every column on the same model with its
+decoder's linear layers in bitsandbytes 4-bit NF4, loaded through transformers' ``BitsAndBytesConfig``;
+each record says its ``quant``.
+
 The loss check (``loss_check``): at every step, each column's loss against the first of naive glue, stock
 sdpa and stock sdpa, padded that ran and does not leak; a fastft column outside the tolerance fails the run.
 ``step_ms`` times one batch repeated instead of a stream (the distributed benchmark's measure).
@@ -48,6 +52,7 @@ import time
 
 import torch
 
+from . import quant as quantization
 from .columns import COLUMNS as COLUMNS
 from .columns import build as build
 from .columns import columns as columns
@@ -82,8 +87,9 @@ def schedule(tiny: bool, warmup: int | None = None, steps: int | None = None) ->
     return warmup, steps
 
 
-def describe(device: torch.device, quick: bool, only=None, stream=None, warmup=None, steps=None) -> str:
-    """What the run measures, said before it starts; the columns that cannot run here, one line each."""
+def describe(device: torch.device, quick: bool, only=None, stream=None, warmup=None, steps=None, quant=None) -> str:
+    """What the run measures, said before it starts; the columns that cannot run here, one line each.
+    ``quant``: ``"nf4"``, every column on the 4-bit model of ``fastft.bench.quant``."""
     tiny = device.type != "cuda" or quick
     warmup, steps = schedule(tiny, warmup, steps)
     lines = []
@@ -107,6 +113,8 @@ def describe(device: torch.device, quick: bool, only=None, stream=None, warmup=N
         lines.append("LoRA r=16 on the attention (and dense MLP, and linear-attention) projections through peft, AdamW")
     else:
         lines.append("peft is not installed: all weights train (pip install peft for the LoRA columns)")
+    if quant_line := quantization.describe(quant):
+        lines.append(quant_line)
     skipped = [(c, why_not(c, device)) for c in COLUMNS if (not only or c in only) and why_not(c, device)]
     if skipped:
         lines.append("skipped here:")
@@ -138,12 +146,13 @@ def model_stream(name: str, kind: str, tiny: bool, device=None, seed: int = 0):
     return packed_stream(kind, budget(name, tiny), seed, median=40 if tiny else 380, vocab=vocab, device=device)
 
 
-def step_inputs(column: str, batch: PackedBatch, name: str, tiny: bool):
-    """What ``column`` feeds the model for one step on ``batch``: the packed row's model inputs (a dict), or
-    for a padded column its micro-batches as ``[(model inputs, loss weight), ...]``, each weight its share of
-    the step's predicted tokens (host ints: no sync), so that the weighted losses sum to the packed loss."""
+def step_inputs(column: str, batch: PackedBatch, name: str, tiny: bool, host_lengths: bool = False):
+    """What ``column`` feeds the model for one step on ``batch``: the packed row's model inputs (a dict;
+    ``host_lengths``: with the boundaries on the host, ``PackedBatch.inputs``), or for a padded column its
+    micro-batches as ``[(model inputs, loss weight), ...]``, each weight its share of the step's predicted
+    tokens (host ints: no sync), so that the weighted losses sum to the packed loss."""
     if not COLUMNS[column].padded:
-        return batch.inputs()
+        return batch.inputs(host_lengths)
     parts = padded(batch, budget(name, tiny))
     total = sum(p.targets for p in parts)
     return [(p.inputs(), p.targets / total) for p in parts]
@@ -231,12 +240,22 @@ def _reset_compiles() -> None:
 
 
 def run(
-    device: torch.device, quick: bool, models=None, only_columns=None, stream=None, warmup=None, steps=None
+    device: torch.device,
+    quick: bool,
+    models=None,
+    only_columns=None,
+    stream=None,
+    warmup=None,
+    steps=None,
+    quant=None,
 ) -> list[dict]:
     """One record per (model, stream, column); see the module docstring and ``format_table``. ``stream``: a
-    ``STREAM_CHOICES`` entry (default ``padding-free``); ``warmup``, ``steps``: see ``schedule``."""
+    ``STREAM_CHOICES`` entry (default ``padding-free``); ``warmup``, ``steps``: see ``schedule``; ``quant``:
+    ``"nf4"``, each column on the model in bitsandbytes 4-bit (``fastft.bench.quant``; the columns that
+    refuse it are left out)."""
     tiny = device.type != "cuda" or quick
     warmup, steps = schedule(tiny, warmup, steps)
+    quant = quantization.quant_arg(quant)
     kinds = streams_of(stream)
     try:
         import transformers  # noqa: F401
@@ -250,7 +269,7 @@ def run(
             for column in columns(device, only_columns):
                 if why_not_on(column, name):
                     continue
-                records.append(_run_column(name, kind, column, device, tiny, batches, warmup))
+                records.append(_run_column(name, kind, column, device, tiny, batches, warmup, quant))
                 _print(records[-1])
                 gc.collect()  # hooks and bound methods (fastft's, Liger's, PEFT's) make cycles: free them now
                 if device.type == "cuda":
@@ -258,18 +277,35 @@ def run(
     return records
 
 
-def _run_column(name: str, kind: str, column: str, device, tiny: bool, batches: list, warmup: int) -> dict:
+def _run_column(name: str, kind: str, column: str, device, tiny: bool, batches: list, warmup: int, quant=None) -> dict:
+    if COLUMNS[column].own_process is not None:  # unsloth: a process of its own builds and trains, same stream
+        return COLUMNS[column].own_process(name, kind, column, device, tiny, batches, warmup, quant=quant)
     _reset_compiles()
-    (model, lora), restore = build(name, column, device, tiny)
+    (model, lora), restore = build(name, column, device, tiny, quant=quant)
     dtype = str(next(model.parameters()).dtype).split(".")[-1]
+    nan = [float("nan")] * len(batches)
+    failed = Steps(nan, nan, [0] * len(batches), [0] * len(batches), -1)
+    error = None
     try:
         result = train(model, [step_inputs(column, b, name, tiny) for b in batches], warmup, device)
     except torch.OutOfMemoryError:
-        nan = [float("nan")] * len(batches)
-        result = Steps(nan, nan, [0] * len(batches), [0] * len(batches), -1)
+        result, error = failed, "out of memory"
+    except Exception as e:  # a peer's own failure (e.g. flash-linear-attention refusing Hopper) is its row's result
+        if COLUMNS[column].fastft:
+            raise
+        result, error = failed, f"{type(e).__name__}: {e}"
     finally:
         restore()
         del model
+    row = record(name, kind, column, tiny, batches, warmup, result, dtype, lora, quant)
+    return row if error is None else {**row, "error": error}
+
+
+def record(
+    name: str, kind: str, column: str, tiny: bool, batches: list, warmup: int, result: Steps, dtype: str, lora, quant
+) -> dict:
+    """The record of ``column`` on the model ``name`` and stream ``kind`` (one row of ``format_table``) from
+    what ``train`` measured on ``batches``; ``dtype``: the model's parameters' (``"bfloat16"``)."""
     timed = batches[warmup:]
     timed_s = sum(result.seconds[warmup:])
     tokens = [b.num_tokens for b in timed]
@@ -283,6 +319,7 @@ def _run_column(name: str, kind: str, column: str, device, tiny: bool, batches: 
         "padding": 1 - sum(tokens) / sum(fed),  # share of the timed steps' model inputs that is padding
         "layers": model_config(name, tiny).num_hidden_layers,
         "dtype": dtype,
+        "quant": quant or "none",  # "nf4": the decoder's linear layers in bitsandbytes 4-bit
         "lora": lora,
         "warmup": warmup,
         "steps": len(timed),
@@ -312,6 +349,9 @@ def _print(r: dict) -> None:
     if _captured(r):
         compiles += f"  graph captures {r['captures_first']} + {r['captures_timed']}"
     leak = "  (leaks across documents)" if r.get("leaks") else ""
+    if r.get("error"):
+        print(f"{r['model']:14s} {r['stream']:12s} {r['column'] + leak:22s} failed: {r['error']}", flush=True)
+        return
     print(
         f"{r['model']:14s} {r['stream']:12s} {r['column'] + leak:22s} {r['tokens_per_s']:9.0f} tok/s "
         f"{r['step_ms']:9.1f} ms/step  first {r['warmup']} steps {r['first_steps_s']:7.1f} s  {memory}{compiles}  "

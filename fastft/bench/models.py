@@ -51,6 +51,21 @@ MODEL_CONFIGS = {
         ),
         8,
     ),
+    # the seeds' QLoRA model (Unsloth and NVIDIA, May 2026), 20 of its 40 layers: --quant nf4 and the unsloth
+    # column each save a bf16 copy (16.7 GB at 20 layers; the GPU machines' 64 GiB disk holds two of 30 GB poorly)
+    "Qwen3-14B": (
+        "Qwen3Config",
+        dict(
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_hidden_layers=40,
+            num_attention_heads=40,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+        ),
+        20,
+    ),
     "Qwen3-30B-A3B": (
         "Qwen3MoeConfig",
         dict(

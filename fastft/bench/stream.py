@@ -44,14 +44,27 @@ class PackedBatch:
     seq_lengths: tuple[int, ...]  # document lengths (host ints, each > 0), summing to num_tokens
     num_tokens: int  # tokens in the row, all real (no padding)
 
-    def inputs(self) -> dict:
-        """The keyword arguments of a transformers causal LM's forward."""
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "labels": self.labels}
+    def inputs(self, host_lengths: bool = False) -> dict:
+        """The keyword arguments of a transformers causal LM's forward. ``host_lengths``: also the document
+        boundaries as a flattening collator's flash keyword arguments, ``cu_seq_lens_q``/``_k`` kept on the
+        host (int32) with ``max_length_q``/``_k`` (ints), which fastft reads without a host sync."""
+        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "labels": self.labels}
+        if host_lengths:
+            cu = torch.tensor([0, *itertools.accumulate(self.seq_lengths)], dtype=torch.int32)
+            longest = max(self.seq_lengths)
+            inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        return inputs
 
     def to(self, device) -> PackedBatch:
-        """The same batch with its tensors on ``device``."""
-        move = {f: getattr(self, f).to(device) for f in ("input_ids", "position_ids", "labels")}
-        return dataclasses.replace(self, **move)
+        """The same batch with its tensors on ``device``. To a GPU the host tensors go through pinned memory
+        without blocking, as a ``DataLoader(pin_memory=True)`` feeds a training loop: no host sync."""
+        device = torch.device(device)
+        cuda = device.type == "cuda"
+
+        def move(t):
+            return t.pin_memory().to(device, non_blocking=True) if cuda and t.device.type == "cpu" else t.to(device)
+
+        return dataclasses.replace(self, **{f: move(getattr(self, f)) for f in ("input_ids", "position_ids", "labels")})
 
 
 @dataclasses.dataclass(frozen=True)

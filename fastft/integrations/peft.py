@@ -6,7 +6,8 @@ weights (``target_parameters``) through fastft's experts path without forming ``
 
 Each PEFT LoRA ``Linear`` keeps its modules, parameters and state dict; only its forward changes, and only
 for plain LoRA: one active adapter, no dropout, no DoRA or other variant, no LoRA bias, not merged,
-adapters enabled, an ``nn.Linear`` base layer with frozen weights of the input's dtype, no autocast, no
+adapters enabled, an ``nn.Linear`` base layer with frozen weights of the input's dtype (or a bitsandbytes
+4-bit base computing in the input's dtype: QLoRA, dequantized in forward and backward), no autocast, no
 ``adapter_names``, no weight that is still a ``DTensor`` at forward (an adapter that is an FSDP2 unit of its
 own, or tensor parallelism). Anything else runs PEFT's own forward.
 
@@ -25,6 +26,7 @@ imported only by the functions here.
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 
@@ -59,13 +61,34 @@ def _plain_adapter(layer, x: torch.Tensor, args, kwargs):
         isinstance(dropout, torch.nn.Dropout) and (dropout.p == 0 or not dropout.training)
     ):
         return None
-    if type(base) is not torch.nn.Linear or base.weight.requires_grad or base.weight.dtype != x.dtype:
+    if base_weight(base, x) is None:
         return None
     if base.bias is not None and (base.bias.requires_grad or base.bias.dtype != x.dtype):
         return None
     if any(_is_dtensor(t) for t in (base.weight, layer.lora_A[name].weight, lora_b.weight)):
         return None  # sharded (an FSDP2 unit of its own, unsharded by its own forward only; or tensor parallel)
     return name
+
+
+def base_weight(base, x: torch.Tensor):
+    """The frozen weight of a LoRA layer's ``base`` as ``lora_linear`` takes it for input ``x``: the tensor
+    of a plain ``nn.Linear`` of ``x``'s dtype, a function dequantizing a bitsandbytes 4-bit ``Linear4bit``
+    (QLoRA) whose compute dtype is ``x``'s, or None (PEFT's forward then runs)."""
+    weight = base.weight
+    if type(base) is torch.nn.Linear:
+        return weight if not weight.requires_grad and weight.dtype == x.dtype else None
+    if type(base).__name__ == "Linear4bit" and type(base).__module__.startswith("bitsandbytes"):
+        state = getattr(weight, "quant_state", None)
+        if state is None or weight.requires_grad or getattr(base, "compute_dtype", None) not in (None, x.dtype):
+            return None
+        return functools.partial(_dequantize_4bit, weight, state, x.dtype)
+    return None
+
+
+def _dequantize_4bit(weight, state, dtype: torch.dtype) -> torch.Tensor:
+    import bitsandbytes.functional as bnb_functional
+
+    return bnb_functional.dequantize_4bit(weight.data, state).to(dtype)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -82,7 +105,7 @@ def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return type(self).forward(self, x, *args, **kwargs)
     base = self.base_layer
     return lora_linear(
-        x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
+        x, base_weight(base, x), base.bias, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
     )
 
 
@@ -154,12 +177,18 @@ def _experts_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return block(x, *args, **{EXPERT_LORA_KWARG: adapters})  # the block's hooks run, as under PEFT's forward
 
 
+def _is_peft_4bit(module) -> bool:
+    """PEFT's LoRA layer on a bitsandbytes 4-bit base (``peft.tuners.lora.bnb.Linear4bit``, not a subclass of
+    its ``Linear``; found by name, so that bitsandbytes is never imported here)."""
+    return type(module).__name__ == "Linear4bit" and type(module).__module__ == "peft.tuners.lora.bnb"
+
+
 def _lora_layers(model) -> tuple[list, list]:
     """PEFT LoRA ``Linear`` layers, and the outermost ``ParamWrapper`` around each transformers experts block."""
     from peft.tuners.lora.layer import Linear
 
     wrapper_cls = _param_wrapper()
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    linears = [m for m in model.modules() if isinstance(m, Linear) or _is_peft_4bit(m)]
     wrappers = [m for m in model.modules() if wrapper_cls is not None and isinstance(m, wrapper_cls)]
     inner = {id(w.base_layer) for w in wrappers}
     outer = [w for w in wrappers if id(w) not in inner and is_experts_block(w.get_base_layer())]

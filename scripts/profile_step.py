@@ -1,0 +1,62 @@
+"""Where one e2e training step's GPU time goes: the top operators and kernels by self CUDA time (GPU only).
+
+    python3 scripts/profile_step.py --model Qwen3-14B --column 'fastft + liger' --quant nf4
+
+Builds the column as ``python -m fastft bench --e2e`` does, trains two steps of its padding-free stream (host
+lengths: a flattening collator's ``cu_seq_lens_q``), then profiles one. Both aten operators and the kernels
+under them are listed, so the sum of the listed times counts most kernels twice; the first line gives the wall
+time and the kernel time (kernels only). ``fastft audit`` gives launches, syncs and the GPU-busy fraction.
+"""
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fastft.bench import e2e
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="Qwen3-0.6B", choices=list(e2e.MODELS))
+    parser.add_argument("--column", default="fastft", choices=list(e2e.COLUMNS))
+    parser.add_argument("--quant", default=None, choices=["nf4"])
+    parser.add_argument("--top", type=int, default=18)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_step.py needs a GPU")
+    device = torch.device("cuda")
+    (model, _), restore = e2e.build(args.model, args.column, device, False, quant=args.quant)
+    batches = e2e.model_stream(args.model, "padding-free", False, device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+
+    def step():
+        for inputs, weight in e2e.micro_batches(e2e.step_inputs(args.column, next(batches), args.model, False, True)):
+            loss = model(**inputs).loss
+            (loss if weight is None else loss * weight).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    kernels = sum(e.self_device_time_total for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU)
+    print(
+        f"{args.model}, '{args.column}'{', ' + args.quant if args.quant else ''}: "
+        f"wall {wall * 1000:.1f} ms (profiled), "
+        f"kernels {kernels / 1000:.1f} ms"
+    )
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
+        print(f"{e.self_device_time_total / 1000:9.1f} ms {e.count:6d}  {e.key[:110]}")
+    restore()
+
+
+if __name__ == "__main__":
+    main()
