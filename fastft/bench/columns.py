@@ -459,6 +459,5 @@ def leaks(column: str, name: str) -> str | None:
 
 
 def columns(device: torch.device, only=None) -> list[str]:
-    """The columns that run here (see the module docstring), on a ``quant`` model if given, of ``only`` if
-    given."""
+    """The columns that run here (see the module docstring), of ``only`` if given."""
     return [c for c in COLUMNS if why_not(c, device) is None and (not only or c in only)]

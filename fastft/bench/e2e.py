@@ -251,8 +251,7 @@ def run(
 ) -> list[dict]:
     """One record per (model, stream, column); see the module docstring and ``format_table``. ``stream``: a
     ``STREAM_CHOICES`` entry (default ``padding-free``); ``warmup``, ``steps``: see ``schedule``; ``quant``:
-    ``"nf4"``, each column on the model in bitsandbytes 4-bit (``fastft.bench.quant``; the columns that
-    refuse it are left out)."""
+    ``"nf4"``, each column on the model in bitsandbytes 4-bit (``fastft.bench.quant``)."""
     tiny = device.type != "cuda" or quick
     warmup, steps = schedule(tiny, warmup, steps)
     quant = quantization.quant_arg(quant)
