@@ -5,7 +5,7 @@
 #   bash scripts/gpu_wheels.sh            # then, on the GPU machine (carry [".whl"]):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
 #
-# - liger-kernel: the "liger" columns;
+# - liger-kernel: the "liger" columns; flash-linear-attention + fla-core: the "fla" columns (Qwen3.5);
 # - unsloth + unsloth_zoo (2026.10.9: the first pair whose caps admit transformers 5.17), trl 1.15.0 (unsloth's cap),
 #   datasets 4.8.5 with dill and multiprocess, and the pure-python modules they import at import time that the GPU
 #   image lacks: the "unsloth" column (fastft/bench/unsloth.py). The unsloth wheel is rebuilt without its studio/
@@ -28,6 +28,7 @@ download() {
 }
 
 download liger-kernel==0.8.5
+download flash-linear-attention==0.6.0 fla-core==0.6.0  # the "stock sdpa, fla" columns of hybrid models
 download unsloth==2026.10.9 unsloth_zoo==2026.10.9 trl==1.15.0 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19
 # import-time needs of unsloth / unsloth_zoo / trl that the GPU image lacks (pure python)
 download tyro==1.0.17 docstring-parser==0.17.0 typeguard==4.4.4 msgspec==0.19.0 cut_cross_entropy==25.1.1 \
