@@ -24,6 +24,7 @@ from .lora import lora_linear  # noqa: E402
 from .offload import OffloadConfig, offloaded_checkpoint  # noqa: E402
 from .packing import PackedSeqInfo, document_mask_mod, packed_seq_info  # noqa: E402
 from .routing import MoERouting, moe_expert_rows, moe_permute, moe_route, moe_unpermute  # noqa: E402
+from .swiglu import swiglu  # noqa: E402
 
 __version__ = "0.2.0"
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "moe_unpermute",
     "moe_expert_rows",
     "moe_expert_parallel",
+    "swiglu",
     "copy",
     "OffloadConfig",
     "offloaded_checkpoint",

@@ -127,7 +127,19 @@ def cmd_check(args) -> int:
 
 
 def _bench_modules(names):
-    from fastft.bench import attention, conv, copy, delta_rule, experts, lora, offload, offloader, packing, routing
+    from fastft.bench import (
+        attention,
+        conv,
+        copy,
+        delta_rule,
+        experts,
+        lora,
+        offload,
+        offloader,
+        packing,
+        routing,
+        swiglu,
+    )
 
     modules = {
         "packing": packing,
@@ -140,6 +152,7 @@ def _bench_modules(names):
         "lora": lora,
         "experts": experts,
         "delta_rule": delta_rule,
+        "swiglu": swiglu,
     }
     return {name: modules[name] for name in (names or modules)}
 
@@ -344,6 +357,7 @@ BENCH_FAMILIES = (
     "lora",
     "experts",
     "delta_rule",
+    "swiglu",
 )
 
 

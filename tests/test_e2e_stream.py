@@ -98,6 +98,9 @@ def test_the_columns_table():
     cpu = torch.device("cpu")
     assert e2e.why_not("stock flex", cpu) == "needs a GPU"
     assert set(e2e.columns(cpu)) == {n for n in c if not c[n].gpu_only and e2e.why_not(n, cpu) is None}
+    # named columns run in the order named (to move one-time costs off a column), each once; GPU-only ones dropped
+    named = ["stock sdpa", "fastft", "naive glue", "fastft", "stock flex"]
+    assert e2e.columns(cpu, named) == ["stock sdpa", "fastft", "naive glue"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the skipped columns of a CPU run")
@@ -173,6 +176,52 @@ def test_train_counts_what_torch_compile_compiles_in_each_step():
     assert steps.compiles == [1, 0, 1, 0, 1] and steps.captures == [0] * 5
     assert len(steps.losses) == len(steps.seconds) == 5 and all(s > 0 for s in steps.seconds)
     assert steps.peak_bytes == -1  # no GPU memory to count
+
+
+def test_train_primed_times_a_second_pass_and_counts_the_first_as_first_steps(monkeypatch):
+    calls = []
+
+    def fake_train(model, inputs, warmup, device, lr=1e-5):
+        calls.append(lr)
+        first = lr == 0
+        return e2e.Steps(
+            losses=[9.0, 8.0, 7.0] if first else [1.0, 2.0, 3.0],
+            seconds=[5.0, 2.0, 2.0] if first else [0.5, 0.25, 0.25],
+            compiles=[3, 1, 0] if first else [0, 0, 0],
+            captures=[4, 0, 2] if first else [1, 0, 0],
+            peak_bytes=100 if first else 80,
+        )
+
+    monkeypatch.setattr(e2e, "train", fake_train)
+    gpu = types.SimpleNamespace(type="cuda")
+    steps = e2e.train_primed(None, [{}] * 3, 1, gpu)
+    assert calls == [0.0, 1e-5]  # learning rate 0 first: no weight changes before the measured pass
+    assert steps.losses == [1.0, 2.0, 3.0] and steps.seconds == [0.5, 0.25, 0.25] and steps.peak_bytes == 80
+    assert steps.compiles == [4, 0, 0] and steps.captures == [7, 0, 0] and steps.prime_s == 9.0
+    calls.clear()
+    assert e2e.train_primed(None, [{}] * 3, 1, torch.device("cpu")).prime_s == 0 and calls == [1e-5]
+
+
+@pytest.mark.gpu
+def test_train_primed_leaves_the_weights_to_the_second_pass():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1).cuda()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = model
+
+        def forward(self, x):
+            return types.SimpleNamespace(loss=self.linear(x).square().mean())
+
+    inputs = [{"x": torch.randn(4 + n, 8, device="cuda")} for n in range(4)]
+    primed = e2e.train_primed(Loss(), inputs, 1, torch.device("cuda"))
+    model.load_state_dict(start)
+    plain = e2e.train(Loss(), inputs, 1, torch.device("cuda"))
+    torch.testing.assert_close(primed.losses, plain.losses, rtol=1e-6, atol=0)  # the first pass moved no weight
+    assert primed.prime_s > 0
 
 
 def test_a_peer_that_fails_is_its_rows_result_and_fastft_failing_stops_the_run(monkeypatch, capsys):

@@ -49,6 +49,30 @@ def test_moe_model_matches_transformers_eager(name, monkeypatch):
         torch.testing.assert_close(grads2[key], grads[key], **tol, msg=key)
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_gate_activation_is_fastft_swiglu_where_it_is_the_gate(name, rng):
+    from fastft.integrations.transformers.experts import gate_activation
+
+    block = next(m for m in tiny(name, torch.float32).modules() if type(m).__name__.endswith("Experts"))
+    act = gate_activation(block)
+    assert getattr(act, "func", act) is fastft.swiglu
+    x = (torch.randn(33, block.down_proj.shape[1 if block.is_transposed else 2] * 2, generator=rng) * 4).to(
+        block.down_proj.device
+    )
+    torch.testing.assert_close(act(x), block._apply_gate(x), atol=1e-5, rtol=1e-5)  # the block's own gate
+    # anything else keeps the block's own function: another activation, a gate set on the block, a subclass's
+    if name == "qwen3_moe":
+        block.act_fn = torch.nn.GELU()
+        assert gate_activation(block) == block._apply_gate
+        block.act_fn = torch.nn.SiLU()
+        assert gate_activation(block) is fastft.swiglu
+    block._apply_gate = lambda h: h[..., : h.shape[-1] // 2]
+    assert gate_activation(block) is block._apply_gate
+    del block._apply_gate
+    block.__class__ = type("Clamped", (type(block),), {"_apply_gate": lambda self, h: h[..., ::2].clamp(max=1.0)})
+    assert gate_activation(block) == block._apply_gate
+
+
 def test_use_moe_rejects_other_objects():
     with pytest.raises(TypeError, match="transformers PreTrainedModel"):
         ft_hf.use_moe(torch.nn.Linear(2, 2))

@@ -9,12 +9,14 @@ count changes every step. The default is ``padding-free`` (how TRL packs now, an
 anything that specializes on shapes); ``both`` runs each column on both, twice the time.
 
 Each column runs ``warmup`` first steps (default 3; 1 in the tiny configs) and then ``steps`` timed steps
-(default 20; 2 in the tiny configs), every step on the next batch, its loss read as a logging loop does.
-Reported: steady-state tokens/s (real tokens, no padding, over the timed steps' wall time), the mean step
-time, the wall time of the first steps apart (autotune, compiles, CUDA graph captures happen there: shown,
-not hidden), peak memory over the timed steps (reserved: what the process holds, CUDA graph pools
-included), the graphs ``torch.compile`` compiled and the CUDA graphs ``fastft.graphs`` captured, each in the
-first steps and in the timed steps (a stack that recompiles or captures per batch shape shows it in the
+(default 20; 2 in the tiny configs), every step on the next batch, its loss read as a logging loop does. On a
+GPU the column first passes over the same batches at learning rate 0 (``train_primed``: a process's first
+pass over new row counts runs slower, which only a run's first column paid before). Reported: steady-state
+tokens/s (real tokens, no padding, over the timed steps' wall time), the mean step time, the wall time of the
+first pass and first steps apart (autotune, compiles, CUDA graph captures happen there: shown, not
+hidden), peak memory over the timed steps (reserved: what the process holds, CUDA graph pools included), the
+graphs ``torch.compile`` compiled and the CUDA graphs ``fastft.graphs`` captured, each in the first pass and
+steps and in the timed steps (a stack that recompiles or captures per batch shape shows it in the
 second), and every step's loss.
 
 The columns (``fastft.bench.columns``, whose names are re-exported here): naive glue, the stock
@@ -183,6 +185,7 @@ class Steps:
     compiles: list  # graphs torch.compile compiled during each step
     captures: list  # fastft.graphs captures during each step (one per layer and signature)
     peak_bytes: int  # peak reserved memory over the steps after ``warmup`` (graph pools included); -1 without a GPU
+    prime_s: float = 0.0  # wall time of the first pass (``train_primed``) before these steps; 0 without one
 
 
 def _compiled_graphs() -> int:
@@ -191,13 +194,13 @@ def _compiled_graphs() -> int:
     return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
-def train(model, inputs, warmup: int, device) -> Steps:
+def train(model, inputs, warmup: int, device, lr: float = 1e-5) -> Steps:
     """One AdamW training step per item of ``inputs``: a model-input dict, or micro-batches accumulated into
     one step (``step_inputs``); the peak memory counts from step ``warmup`` on."""
     from fastft.graphs import capture_count
 
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5)
+    opt = torch.optim.AdamW(params, lr=lr)
     cuda = device.type == "cuda"
     losses, seconds, compiles, captures = [], [], [], []
     for i, batch in enumerate(inputs):
@@ -224,6 +227,26 @@ def train(model, inputs, warmup: int, device) -> Steps:
         captures.append(capture_count() - captured)
     peak = torch.cuda.max_memory_reserved() if cuda else -1  # what the process holds: CUDA graph pools included
     return Steps(losses, seconds, compiles, captures, peak)
+
+
+def train_primed(model, inputs, warmup: int, device) -> Steps:
+    """``train`` on a GPU after a first pass over the same ``inputs`` at learning rate 0 (no weight changes;
+    the losses, timed steps and peak are the second pass's): steady state is what a long run sees. A
+    process's first pass over a padding-free stream ran every step slower (gpt-oss-20b, H100: 121 vs 77 ms a
+    step; not GPU clocks, module loading or the allocator; absent on fixed-length packs: a cost per row count
+    it has not seen, docs/benchmarks.md 2026-11-25), and only the first column of a run paid it. The first
+    pass's wall time (``prime_s``), compiles and captures count as the first steps'. On CPU (or with no first
+    steps): ``train`` alone."""
+    if device.type != "cuda" or warmup < 1:
+        return train(model, inputs, warmup, device)
+    first = train(model, inputs, warmup, device, lr=0.0)
+    second = train(model, inputs, warmup, device)
+    return dataclasses.replace(
+        second,
+        compiles=[sum(first.compiles) + second.compiles[0], *second.compiles[1:]],
+        captures=[sum(first.captures) + second.captures[0], *second.captures[1:]],
+        prime_s=sum(first.seconds),
+    )
 
 
 def step_ms(model, batch, steps: int, device) -> tuple[float, int, float]:
@@ -268,6 +291,7 @@ def run(
             for column in columns(device, only_columns):
                 if why_not_on(column, name):
                     continue
+                gc.collect()  # every column starts from a collected heap, the first one too
                 records.append(_run_column(name, kind, column, device, tiny, batches, warmup, quant))
                 _print(records[-1])
                 gc.collect()  # hooks and bound methods (fastft's, Liger's, PEFT's) make cycles: free them now
@@ -286,7 +310,7 @@ def _run_column(name: str, kind: str, column: str, device, tiny: bool, batches: 
     failed = Steps(nan, nan, [0] * len(batches), [0] * len(batches), -1)
     error = None
     try:
-        result = train(model, [step_inputs(column, b, name, tiny) for b in batches], warmup, device)
+        result = train_primed(model, [step_inputs(column, b, name, tiny) for b in batches], warmup, device)
     except torch.OutOfMemoryError:
         result, error = failed, "out of memory"
     except Exception as e:  # a peer's own failure (e.g. flash-linear-attention refusing Hopper) is its row's result
@@ -324,9 +348,10 @@ def record(
         "steps": len(timed),
         "tokens_per_s": sum(tokens) / timed_s,  # real tokens over the timed steps' wall time
         "step_ms": timed_s / len(timed) * 1000,  # mean of the timed steps
-        "first_steps_s": sum(result.seconds[:warmup]),  # wall time of the first steps together
+        "first_steps_s": result.prime_s + sum(result.seconds[:warmup]),  # the first pass (GPU) and first steps
         "total_s": sum(result.seconds),  # all steps, first ones included: what a run of this length takes
         "first_step_s": result.seconds[:warmup],
+        "prime_s": result.prime_s,  # wall time of the first pass over the stream (``train_primed``; 0 on CPU)
         "step_s": result.seconds[warmup:],
         "peak_gib": result.peak_bytes / 2**30 if result.peak_bytes >= 0 else None,
         "compiles_first": sum(result.compiles[:warmup]),  # graphs torch.compile compiled in the first steps
@@ -418,9 +443,9 @@ def loss_check(records: list[dict]) -> tuple[bool, str]:
 LEGEND = """the e2e table:
   tokens/s         real tokens of the timed steps over their wall time (steady state on the stream)
   step ms          mean wall time of a timed step
-  first steps s    wall time of the untimed first steps (how many in brackets): compiles, autotune, CUDA graph
-                   captures
-  torch.compile    graphs torch.compile compiled in the first steps + in the timed steps ('-': none)
+  first steps s    wall time of the untimed first steps (how many in brackets), on a GPU with the first pass over
+                   the stream at learning rate 0 before them: compiles, autotune, CUDA graph captures
+  torch.compile    graphs torch.compile compiled in the first pass and steps + in the timed steps ('-': none)
   graph captures   fastft.graphs captures (one per layer and signature) in the first steps + in the timed
                    steps ('-': none)
   ms / fastft's    this column's step ms over the fastft column's, same model and stream (above 1.00x: slower)

@@ -1,10 +1,14 @@
 """Benchmark for the experts op (``fastft.experts.routed_experts``) inside a real transformers MoE experts block,
-forward + backward, with transformers' own experts implementations and with fastft's (``use_moe``'s path);
-and with PEFT ``target_parameters`` LoRA (r=16) on its weights: PEFT's forward (``W + scaling B A`` formed
-for every expert, then fastft's experts path) against fastft's low-rank grouped GEMMs (``use_lora``), time
-and peak memory (the weights frozen, as in LoRA fine-tuning)."""
+forward + backward, with transformers' own experts implementations and with fastft's (``use_moe``'s path:
+``fastft.swiglu`` as the gate); fastft's path with the block's own gate in torch ops (the chain before
+``fastft.swiglu``: permute, grouped GEMM, gate, grouped GEMM, combine); and with PEFT ``target_parameters``
+LoRA (r=16) on its weights: PEFT's forward (``W + scaling B A`` formed for every expert, then fastft's experts
+path) against fastft's low-rank grouped GEMMs (``use_lora``), time and peak memory (the weights frozen, as in
+LoRA fine-tuning)."""
 
 from __future__ import annotations
+
+from unittest import mock
 
 import torch
 
@@ -24,10 +28,16 @@ SHAPES = {
         "GptOssExperts",
         dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4),
     ),
+    "Qwen3.5-MoE": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeExperts",
+        dict(hidden_size=2048, moe_intermediate_size=512, num_experts=256, num_experts_per_tok=8),
+    ),
 }
 TINY = {
     "Qwen3-30B-A3B": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
     "gpt-oss-20b": dict(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+    "Qwen3.5-MoE": dict(hidden_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2),
 }
 
 
@@ -35,21 +45,28 @@ def run(device: torch.device, quick: bool) -> list[Row]:
     try:
         import transformers
         from transformers.models.gpt_oss import modeling_gpt_oss
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
         from transformers.models.qwen3_moe import modeling_qwen3_moe
     except ImportError:
         print("transformers is not installed: skipping the transformers MoE experts benchmark")
         return []
     import fastft.integrations.transformers as ft_hf
     from fastft import dispatch, routing
+    from fastft.integrations.transformers import experts as ft_experts
 
     ft_hf.register()
-    modules = {"Qwen3MoeExperts": modeling_qwen3_moe, "GptOssExperts": modeling_gpt_oss}
+    modules = {
+        "Qwen3MoeExperts": modeling_qwen3_moe,
+        "GptOssExperts": modeling_gpt_oss,
+        "Qwen3_5MoeExperts": modeling_qwen3_5_moe,
+    }
     gpu = device.type == "cuda"
     backend = dispatch.backend_for(routing.OP_ROUTE, device)
     dtype = torch.bfloat16 if gpu else torch.float32
     tokens = 16384 if gpu and not quick else 64
     rows = []
-    for name, (config_cls, experts_cls, fields) in SHAPES.items():
+    shapes = SHAPES if gpu else {"gpt-oss-20b": SHAPES["gpt-oss-20b"]}  # the interpreter: one shape (biases, clamp)
+    for name, (config_cls, experts_cls, fields) in shapes.items():
         fields = TINY[name] if tokens == 64 else fields
         config = getattr(transformers, config_cls)(**fields)
         torch.manual_seed(0)
@@ -66,17 +83,25 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         def step():
             experts(x, ids, weights).float().square().mean().backward()
 
-        times = {}
+        times, peaks = {}, {}
         for impl in ("eager", "grouped_mm", ft_hf.EXPERTS_IMPLEMENTATION):
             config._experts_implementation = impl
             times[impl] = time_ms(step, device, rep_ms=500 if gpu else 50)
+            peaks[impl] = peak_gib(step, device)
+        own_gate = experts._apply_gate if experts.has_gate else experts.act_fn
+        with mock.patch.object(ft_experts, "gate_activation", lambda block: own_gate):  # the chain before swiglu
+            times["own gate"] = time_ms(step, device, rep_ms=500 if gpu else 50)
+            peaks["own gate"] = peak_gib(step, device)
         shape = f"{name} experts, {tokens} tokens (E={e}, K={k}, H={h}), fwd+bwd"
-        for impl in ("eager", "grouped_mm"):
-            rows.append(
-                Row("transformers MoE experts", shape, f"transformers {impl}", times[impl], times["fastft"], backend)
-            )
-        if gpu or name == "gpt-oss-20b":  # CPU: one shape (transposed, biases); each step runs the interpreter
-            rows += _lora_rows(experts, x, ids, weights, shape, backend, device, 500 if gpu else 50)
+        baselines = {
+            "eager": "transformers eager",
+            "grouped_mm": "transformers grouped_mm",
+            "own gate": "fastft's path, the block's own gate (torch ops)",
+        }
+        for impl, label in baselines.items():
+            note = "" if peaks[impl] is None else f"peak {peaks['fastft']:.2f} GiB vs {peaks[impl]:.2f} GiB"
+            rows.append(Row("transformers MoE experts", shape, label, times[impl], times["fastft"], backend, note))
+        rows += _lora_rows(experts, x, ids, weights, shape, backend, device, 500 if gpu else 50)
         del experts, x
     return rows
 

@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     print(f"unsloth {unsloth.__version__}: {type(model).__name__}, LoRA on {', '.join(targets)}", flush=True)
     with _counting_routes(counts):
         try:
-            result = e2e.train(model, inputs, args.warmup, device)
+            result = e2e.train_primed(model, inputs, args.warmup, device)
         except torch.OutOfMemoryError:
             nan = [float("nan")] * len(batches)
             result = e2e.Steps(nan, nan, [0] * len(batches), [0] * len(batches), -1)

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import sys
 
 import torch
 
 from ... import experts as experts_op
 from ...expert_parallel import moe_expert_parallel
+from ...swiglu import swiglu
 from .. import liger
 from ..models import has_experts, model_state, transformers_model
 
@@ -39,6 +42,33 @@ def lora_weights(block) -> tuple[str, str]:
     return ("gate_up_proj" if block.has_gate else "up_proj"), "down_proj"
 
 
+def _silu(act) -> bool:
+    """Whether ``act`` is SiLU itself: ``nn.SiLU`` or transformers' ``SiLUActivation`` (not a subclass)."""
+    activations = sys.modules.get("transformers.activations")
+    return type(act) is torch.nn.SiLU or (activations is not None and type(act) is activations.SiLUActivation)
+
+
+def gate_activation(block):
+    """The function between an experts block's up (gate-up) and down projections: ``fastft.swiglu`` where the
+    block's gate is one it computes (transformers' default gate over SiLU; gpt-oss's clamped, interleaved
+    gate with its alpha and limit), else the block's own ``_apply_gate`` (``act_fn`` without a gate)."""
+    if not block.has_gate:
+        return block.act_fn
+    if "_apply_gate" in block.__dict__:  # set on this block alone: its own
+        return block._apply_gate
+    gate = type(block)._apply_gate
+    moe = sys.modules.get("transformers.integrations.moe")
+    if gate is getattr(moe, "_default_apply_gate", None) and _silu(getattr(block, "act_fn", None)):
+        return swiglu
+    gpt_oss = sys.modules.get("transformers.models.gpt_oss.modeling_gpt_oss")
+    experts = getattr(gpt_oss, "GptOssExperts", None)
+    if experts is not None and gate is experts.__dict__.get("_apply_gate"):
+        alpha, limit = getattr(block, "alpha", None), getattr(block, "limit", None)
+        if all(isinstance(v, (int, float)) and math.isfinite(v) for v in (alpha, limit)) and limit > 0:
+            return functools.partial(swiglu, interleaved=True, alpha=alpha, limit=limit, up_shift=1.0)
+    return block._apply_gate
+
+
 def experts_forward(
     self,
     hidden_states: torch.Tensor,
@@ -46,11 +76,11 @@ def experts_forward(
     top_k_weights: torch.Tensor,
     fastft_expert_lora: dict | None = None,
 ) -> torch.Tensor:
-    """A transformers experts block's forward through ``fastft.experts.routed_experts`` (its gate, activation
-    and biases), or, after ``use_expert_parallel``, through ``fastft.moe_expert_parallel`` with this rank's
-    experts. ``fastft_expert_lora`` (``EXPERT_LORA_KWARG``): None, or ``{name: ExpertLoRA}`` for the weights
-    named by ``lora_weights``, added to them as low-rank products (``ValueError`` for another name, or with
-    expert parallelism)."""
+    """A transformers experts block's forward through ``fastft.experts.routed_experts`` (its activation as
+    ``gate_activation`` gives it, its biases), or, after ``use_expert_parallel``, through
+    ``fastft.moe_expert_parallel`` with this rank's experts. ``fastft_expert_lora`` (``EXPERT_LORA_KWARG``):
+    None, or ``{name: ExpertLoRA}`` for the weights named by ``lora_weights``, added to them as low-rank
+    products (``ValueError`` for another name, or with expert parallelism)."""
     shard = self.__dict__.get(EXPERT_SHARD)
     up_name, down_name = lora_weights(self)
     lora = fastft_expert_lora or {}
@@ -78,7 +108,7 @@ def experts_forward(
         up=self.gate_up_proj if self.has_gate else self.up_proj,
         down=self.down_proj,
         transposed=self.is_transposed,
-        activation=self._apply_gate if self.has_gate else self.act_fn,
+        activation=gate_activation(self),
         up_bias=(self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None,
         down_bias=self.down_proj_bias if self.has_bias else None,
         up_lora=lora.get(up_name),

@@ -1,0 +1,79 @@
+"""Benchmark for fastft.swiglu: the gate between a MoE expert's gate-up and down projections, on the routed rows
+of a 16k-token step of the e2e MoE models, forward and forward + backward, against transformers' gates in
+torch ops (the default ``silu(gate) * up`` over the halves; gpt-oss's clamped, interleaved gate). Time,
+traffic against the HBM floor (a device copy's bandwidth), and peak memory."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import fastft
+from fastft import dispatch
+from fastft.swiglu import OP_SWIGLU
+
+from .common import Row, peak_gib, time_ms
+
+GPT_OSS = dict(interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)
+
+# name -> (routed rows of a 16,384-token step: tokens x top-k, expert width W, fastft.swiglu's constants)
+SHAPES = {
+    "Qwen3-30B-A3B": (16384 * 8, 768, {}),
+    "gpt-oss-20b": (16384 * 4, 2880, GPT_OSS),
+    "Qwen3.5-MoE": (16384 * 8, 512, {}),
+}
+
+
+def transformers_gate(x: torch.Tensor, interleaved=False, alpha=1.0, limit=None, up_shift=0.0) -> torch.Tensor:
+    """transformers' experts gates as they are written: ``_default_apply_gate`` with SiLU, gpt-oss's
+    ``GptOssExperts._apply_gate``."""
+    if not interleaved:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    gate, up = x[..., ::2], x[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + up_shift) * (gate * torch.sigmoid(gate * alpha))
+
+
+def run(device: torch.device, quick: bool) -> list[Row]:
+    gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    backend = dispatch.backend_for(OP_SWIGLU, device)
+    copy_gbs = None
+    if gpu:  # device copy bandwidth (read + write): the floor of a bandwidth-bound kernel
+        buf = torch.empty(2**30, dtype=torch.uint8, device=device)
+        copy_gbs = 2 * buf.numel() / (time_ms(lambda: buf.clone(), device) * 1e6)
+        del buf
+    rows = []
+    shapes = SHAPES if gpu else {"gpt-oss-20b": SHAPES["gpt-oss-20b"]}  # the interpreter: one shape
+    for name, (count, width, kw) in shapes.items():
+        count, width = (count // 64, width) if quick and gpu else (count, width) if gpu else (48, 24)
+        g = torch.Generator().manual_seed(0)
+        x = (torch.randn(count, 2 * width, generator=g) * 3).to(device, dtype).requires_grad_()
+        grad = torch.randn(count, width, generator=g).to(device, dtype)
+        forwards = {
+            "ours": lambda: fastft.swiglu(x, **kw),
+            "transformers' gate (torch ops)": lambda: transformers_gate(x, **kw),
+        }
+        torch.testing.assert_close(forwards["ours"]().float(), transformers_gate(x.float(), **kw), atol=2e-2, rtol=2e-2)
+        element = x.element_size()
+        for mode in ("fwd", "fwd+bwd"):
+            if mode == "fwd":
+                fns = {k: (lambda f=f: f().detach()) for k, f in forwards.items()}
+                nbytes = 3 * count * width * element  # read gate_up, write out
+            else:
+                fns = {k: (lambda f=f: torch.autograd.grad(f(), x, grad)) for k, f in forwards.items()}
+                nbytes = 8 * count * width * element  # and read gate_up and dout, write dgate_up
+            rep = 200 if gpu else 1
+            ms = {k: time_ms(fn, device, rep_ms=rep) for k, fn in fns.items()}
+            peak = {k: peak_gib(fn, device) for k, fn in fns.items()}
+            note = ""
+            if copy_gbs is not None:
+                floor = nbytes / (copy_gbs * 1e6)
+                note = f"{nbytes / (ms['ours'] * 1e6):.0f} GB/s, {ms['ours'] / floor:.2f}x the HBM floor"
+                note += f"; peak {peak['ours']:.2f} GiB vs {peak[list(fns)[1]]:.2f} GiB"
+            layout = "interleaved, clamped" if kw.get("interleaved") else "halves"
+            case = f"{name} experts' gate: {count} rows x W={width} ({layout}), {dtype}, {mode}"
+            rows.append(Row("swiglu", case, list(fns)[1], ms[list(fns)[1]], ms["ours"], backend, note))
+    return rows

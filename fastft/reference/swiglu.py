@@ -1,0 +1,56 @@
+"""SwiGLU over a fused gate-up projection, in plain torch: the specification of ``fastft.swiglu``.
+
+``gate_up`` holds each row's gate and up halves, side by side (``[gate | up]``, transformers' default experts
+gate) or interleaved (``gate0, up0, gate1, up1, ...``: gpt-oss). With ``limit``, the gate is clamped from above
+and the up half to ``[-limit, limit]`` (gpt-oss, and its kin); then
+
+    out = (up + up_shift) * gate * sigmoid(alpha * gate)
+
+in fp32, the output in ``gate_up``'s dtype. ``alpha=1, limit=None, up_shift=0`` is ``silu(gate) * up``;
+gpt-oss is ``interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0``. Differentiable (autograd through
+these torch ops: a clamped entry passes no gradient beyond its bound, as ``torch.clamp``).
+``swiglu_backward`` is the torch backend's gradient: that derivative written out (tested against autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _halves(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return (x[..., ::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+
+
+def swiglu(
+    gate_up: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    alpha: float = 1.0,
+    limit: float | None = None,
+    up_shift: float = 0.0,
+) -> torch.Tensor:
+    """``[..., W]`` in ``gate_up``'s dtype from ``gate_up`` ``[..., 2W]`` (see the module docstring)."""
+    gate, up = _halves(gate_up.float(), interleaved)
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return ((up + up_shift) * (gate * torch.sigmoid(gate * alpha))).to(gate_up.dtype)
+
+
+def swiglu_backward(
+    dy: torch.Tensor, gate_up: torch.Tensor, interleaved: bool, alpha: float, limit: float | None, up_shift: float
+) -> torch.Tensor:
+    """``gate_up``'s gradient (its shape and dtype) given the output's, ``dy`` ``[..., W]``; in fp32."""
+    gate, up = _halves(gate_up.float(), interleaved)
+    dy = dy.float()
+    g, u = gate, up
+    if limit is not None:
+        g, u = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    s = torch.sigmoid(g * alpha)
+    dgate = dy * (u + up_shift) * (s + alpha * g * s * (1 - s))
+    dup = dy * (g * s)
+    if limit is not None:  # torch.clamp's gradient: inside the bounds, ends included
+        dgate = dgate * (gate <= limit)
+        dup = dup * ((up >= -limit) & (up <= limit))
+    dx = torch.stack((dgate, dup), dim=-1).flatten(-2) if interleaved else torch.cat((dgate, dup), dim=-1)
+    return dx.to(gate_up.dtype)

@@ -1,0 +1,145 @@
+"""fastft.swiglu: the reference against transformers' own experts gates, both backends (forward and gradient)
+against the reference on random shapes and constants (hypothesis), clamp bounds, odd strides, bf16, argument
+checks, and on a GPU bf16 at the e2e MoE widths without a host sync. fp32 tolerance: 1e-5."""
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fastft
+from fastft.reference import swiglu as reference
+
+FP32 = dict(atol=1e-5, rtol=1e-5)
+GPT_OSS = dict(interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)
+
+
+def _grad(out, x, grad):
+    (dx,) = torch.autograd.grad(out, x, grad)
+    return dx
+
+
+def _check(x, backend, rng, tol=FP32, **kw):
+    """fastft.swiglu on ``backend`` against the reference in fp32: output and gradient."""
+    out = fastft.swiglu(x, backend=backend, **kw)
+    assert out.shape == (*x.shape[:-1], x.shape[-1] // 2) and out.dtype == x.dtype
+    grad = torch.randn(out.shape, generator=rng).to(x.device, x.dtype)
+    leaf = x.detach().float().requires_grad_()
+    want = reference.swiglu(leaf, **kw)
+    torch.testing.assert_close(out.float(), want, **tol)
+    dx = _grad(out, x, grad)
+    assert dx.dtype == x.dtype
+    torch.testing.assert_close(dx.float(), _grad(want, leaf, grad.float()), **tol)
+
+
+def test_reference_is_transformers_gates(rng):
+    x = torch.randn(9, 2 * 13, generator=rng) * 4
+    gate, up = x.chunk(2, dim=-1)  # transformers' default experts gate with SiLU
+    torch.testing.assert_close(reference.swiglu(x), F.silu(gate) * up, **FP32)
+    gate, up = x[..., ::2].clamp(max=7.0), x[..., 1::2].clamp(-7.0, 7.0)  # gpt-oss's _apply_gate, step by step
+    torch.testing.assert_close(reference.swiglu(x, **GPT_OSS), (up + 1) * (gate * torch.sigmoid(gate * 1.702)), **FP32)
+    # the layouts differ: the test above can fail
+    assert not torch.allclose(reference.swiglu(x, interleaved=True), reference.swiglu(x), **FP32)
+
+
+def test_reference_is_gpt_oss_apply_gate(rng):
+    modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    block = types.SimpleNamespace(alpha=1.702, limit=7.0)
+    x = torch.randn(7, 2 * 11, generator=rng) * 5
+    torch.testing.assert_close(reference.swiglu(x, **GPT_OSS), modeling.GptOssExperts._apply_gate(block, x), **FP32)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@given(
+    rows=st.integers(0, 40),
+    width=st.integers(1, 37),
+    interleaved=st.booleans(),
+    alpha=st.sampled_from([1.0, 1.702, 0.5]),
+    limit=st.sampled_from([None, 7.0, 0.75]),
+    up_shift=st.sampled_from([0.0, 1.0, -0.5]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_matches_reference(backend, device, rows, width, interleaved, alpha, limit, up_shift, seed):
+    rng = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, 2 * width, generator=rng) * 3).to(device).requires_grad_()
+    _check(x, backend, rng, interleaved=interleaved, alpha=alpha, limit=limit, up_shift=up_shift)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_clamp_bounds_pass_gradient_as_torch_clamp(backend, device, rng):
+    """Entries at the bounds keep their gradient, those beyond get none (torch.clamp's rule)."""
+    limit = 2.0
+    gate = torch.tensor([-3.0, 1.0, 2.0, 2.5, 9.0, 0.0])
+    up = torch.tensor([-2.5, -2.0, 0.5, 2.0, 3.0, -9.0])
+    x = torch.stack([gate, up], dim=-1).reshape(1, -1).to(device).requires_grad_()  # interleaved
+    _check(x, backend, rng, interleaved=True, alpha=1.702, limit=limit, up_shift=1.0)
+    out = fastft.swiglu(x, interleaved=True, alpha=1.702, limit=limit, up_shift=1.0, backend=backend)
+    dx = _grad(out, x, torch.ones_like(out)).reshape(-1, 2).cpu()
+    assert (dx[:, 0] == 0).tolist() == [False, False, False, True, True, False]  # gate beyond 2: none
+    assert (dx[:, 1] == 0).tolist() == [True, False, False, False, True, True]  # up outside [-2, 2]: none
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_any_strides_and_leading_dims(backend, device, rng):
+    base = torch.randn(3, 5, 40, generator=rng).to(device)
+    x = base[..., 4:36].requires_grad_()  # rows strided past the 32 columns used
+    assert x.stride(-2) == 40
+    _check(x, backend, rng, interleaved=False)
+    xt = torch.randn(2 * 9, 6, generator=rng).to(device).t().requires_grad_()  # column stride != 1
+    _check(xt, backend, rng, **GPT_OSS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_within_rounding(device, rng, dtype):
+    x = (torch.randn(33, 2 * 24, generator=rng) * 3).to(device, dtype).requires_grad_()
+    for kw in ({}, GPT_OSS):
+        _check(x, "triton", rng, tol=dict(atol=2e-2, rtol=1.6e-2), **kw)  # output and gradient rounded once
+
+
+def test_checks_arguments(device):
+    x = torch.randn(4, 6, device=device)
+    with pytest.raises(TypeError, match="gate_up must be a tensor"):
+        fastft.swiglu([[1.0, 2.0]])
+    with pytest.raises(TypeError, match="gate_up must be float32"):
+        fastft.swiglu(x.long())
+    with pytest.raises(ValueError, match="even last dim"):
+        fastft.swiglu(torch.randn(4, 5, device=device))
+    with pytest.raises(ValueError, match="even last dim"):
+        fastft.swiglu(torch.tensor(1.0, device=device))
+    with pytest.raises(TypeError, match="interleaved must be True or False"):
+        fastft.swiglu(x, interleaved=1)
+    with pytest.raises(TypeError, match="alpha must be a number"):
+        fastft.swiglu(x, alpha=True)
+    with pytest.raises(ValueError, match="alpha must be finite"):
+        fastft.swiglu(x, alpha=float("nan"))
+    with pytest.raises(TypeError, match="up_shift must be a number"):
+        fastft.swiglu(x, up_shift="1")
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="limit must be None or > 0"):
+            fastft.swiglu(x, limit=bad)
+    with pytest.raises(ValueError, match="limit must be finite"):
+        fastft.swiglu(x, limit=float("inf"))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        fastft.swiglu(x, backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,width,kw", [(131072, 768, {}), (65536, 2880, GPT_OSS), (16384, 512, {})])
+def test_gpu_bf16_at_moe_widths_without_sync(rng, rows, width, kw):
+    """Qwen3-30B-A3B, gpt-oss-20b and Qwen3.5-MoE experts rows of a 16k-token step, bf16, against fp32."""
+    x = (torch.randn(rows, 2 * width, generator=rng) * 3).to("cuda", torch.bfloat16).requires_grad_()
+    grad = torch.randn(rows, width, generator=rng).to("cuda", torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = fastft.swiglu(x, **kw)
+        dx = _grad(out, x, grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    leaf = x.detach().float().requires_grad_()
+    want = reference.swiglu(leaf, **kw)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(dx.float(), _grad(want, leaf, grad.float()), atol=2e-2, rtol=1.6e-2)
