@@ -35,6 +35,7 @@ _epochs: dict = {}  # device -> how many times its graphs were all dropped (grap
 _largest: dict = {}  # device -> the largest input bytes of a capture since the last renewal
 _statics: dict = {}  # (signature, layer class, trainable parameters' shapes) -> Statics of this epoch
 _slots: dict = {}  # (device, role, index, dtype[, shape]) -> Slot
+_watched = 0  # layers registered by watch and not yet collected
 
 
 def _indexed(device) -> torch.device:
@@ -52,8 +53,27 @@ def epoch(device: torch.device) -> int:
 
 def watch(layer) -> None:
     """Register a layer's graphs (an object whose ``graphs`` dict holds objects with ``statics``) so that
-    ``renew`` drops them."""
+    ``renew`` drops them, and so that the static buffers and pools go once no such layer is left."""
+    global _watched
     _layers.add(layer)
+    _watched += 1
+    weakref.finalize(layer, _unwatch)
+
+
+def _unwatch() -> None:
+    """A watched layer was collected; after the last one (its model dropped) nothing can replay a graph, so
+    the static buffers and graph pools are dropped: their memory goes back to the device at the next
+    ``torch.cuda.empty_cache``, as the model's does."""
+    global _watched
+    _watched -= 1
+    if _watched:
+        return
+    _statics.clear()
+    _slots.clear()
+    _largest.clear()
+    for device in list(_pools):
+        _epochs[device] = epoch(device) + 1
+        _drop_pool(device)
 
 
 def pool_and_stream(device: torch.device):

@@ -6,6 +6,7 @@ runs its body again on every replay; on a GPU the same tests run with real CUDA 
 """
 
 import functools
+import gc
 import types
 import warnings
 
@@ -118,6 +119,24 @@ def test_matches_offloaded_checkpoint_and_reuses_graphs(where):
     statics = {gr.statics for b in blocks for gr in b.__dict__[graphs._STATE].graphs.values()}
     assert len(statics) == 2
     assert len({st.inputs[0].data_ptr() for st in statics}) == len({st.out[0].data_ptr() for st in statics}) == 1
+
+
+def test_static_buffers_and_pool_go_with_the_last_graphed_layer(where):
+    device, dtype, counter = where
+    blocks, embed = make_stack(device, dtype)
+    run(blocks, embed, [20, 30, 14], fastft.graphed_checkpoint)
+    assert counter["graphs"] and graph_memory.static_bytes() > 0
+    other, other_embed = make_stack(device, dtype, seed=1)
+    run(other, other_embed, [10, 9], fastft.graphed_checkpoint)
+    del blocks
+    gc.collect()
+    assert graph_memory.static_bytes() > 0  # the other model's layers still replay from them
+    del other
+    gc.collect()
+    assert graph_memory.static_bytes() == 0 and not graph_memory._pools
+    blocks, embed = make_stack(device, dtype)  # a new model starts afresh
+    run(blocks, embed, [20, 30, 14], fastft.graphed_checkpoint)
+    assert graph_memory.static_bytes() > 0
 
 
 def test_parameters_replaced_or_frozen_after_capture(where):
