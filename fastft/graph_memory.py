@@ -57,7 +57,7 @@ def watch(layer) -> None:
     global _watched
     _layers.add(layer)
     _watched += 1
-    weakref.finalize(layer, _unwatch)
+    weakref.finalize(layer, _unwatch).atexit = False  # at exit the process gives its memory back anyway
 
 
 def _unwatch() -> None:
