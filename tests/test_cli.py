@@ -50,6 +50,7 @@ def test_bench_e2e_runs_tiny_models(tmp_path):
         columns.update({"stock sdpa, hf offload", "stock flex", "fastft, graphs"})
         if importlib.util.find_spec("liger_kernel") is not None:
             columns.update({"liger + stock flex", "fastft + liger", "fastft + liger, graphs"})
+            columns.add("fastft + liger, graphs auto")
     if importlib.util.find_spec("peft") is None:
         columns.discard("fastft, peft lora")  # the same configuration as "fastft" without peft
         assert "peft is not installed" in out.stdout

@@ -93,6 +93,7 @@ def test_the_columns_table():
         "liger + stock flex",
         "fastft + liger",
         "fastft + liger, graphs",
+        "fastft + liger, graphs auto",
     ]
     assert [n for n in c if c[n].moe_only] == ["fastft, experts lora"]
     cpu = torch.device("cpu")

@@ -30,7 +30,9 @@ one ``Column`` each, built on a transformers model with random weights from ``fa
 - ``fastft, experts lora`` (MoE models, peft): ``fastft`` with LoRA also on the experts' weights (PEFT
   ``target_parameters``), what MoE fine-tunes train;
 - ``fastft, graphs`` and ``fastft + liger, graphs``: the same with ``apply(..., graphs=True)``, each
-  checkpointed layer replayed as CUDA graphs (GPU only; a new batch signature is captured when it comes).
+  checkpointed layer replayed as CUDA graphs (GPU only; a new batch signature is captured when it comes);
+  ``fastft + liger, graphs auto``: ``graphs="auto"``, graphs only for layers whose eager forward is
+  launch-bound.
 - ``unsloth`` (GPU and unsloth only): Unsloth's own stack (``fastft.bench.unsloth``, in a process of its own:
   Unsloth patches transformers, peft and trl when imported): the same weights saved and loaded through
   ``FastLanguageModel`` (MoE models: ``FastModel``), LoRA r=16 on the same projections through its
@@ -269,7 +271,7 @@ def _stock_setup(model, name: str, attention: str = "sdpa", offload: bool = Fals
     return model, lora, _nothing if fla else _torch_mixers(model)
 
 
-def _fastft_setup(model, name: str, lora: bool = True, experts: bool = False, graphs: bool = False):
+def _fastft_setup(model, name: str, lora: bool = True, experts: bool = False, graphs: bool | str = False):
     import warnings
 
     from fastft.integrations import transformers as ft_hf
@@ -354,6 +356,13 @@ COLUMNS = {
         Column(
             "fastft + liger, graphs",
             _with_liger(functools.partial(_fastft_setup, graphs=True)),
+            gpu_only=True,
+            needs=("liger-kernel",),
+            fastft=True,
+        ),
+        Column(
+            "fastft + liger, graphs auto",
+            _with_liger(functools.partial(_fastft_setup, graphs="auto")),
             gpu_only=True,
             needs=("liger-kernel",),
             fastft=True,
