@@ -143,3 +143,12 @@ def test_gpu_bf16_at_moe_widths_without_sync(rng, rows, width, kw):
     want = reference.swiglu(leaf, **kw)
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=1.6e-2)
     torch.testing.assert_close(dx.float(), _grad(want, leaf, grad.float()), atol=2e-2, rtol=1.6e-2)
+
+
+def test_the_check_command_case(device, rng):
+    """``python -m fastft check``'s swiglu case: the dispatched backend against the reference, and its gradient."""
+    from fastft import checks
+
+    assert checks.CHECKS["swiglu"] is checks.check_swiglu
+    for _ in range(5):
+        checks.check_swiglu(rng, device, 24)
