@@ -349,7 +349,8 @@ def record(
         "tokens_per_s": sum(tokens) / timed_s,  # real tokens over the timed steps' wall time
         "step_ms": timed_s / len(timed) * 1000,  # mean of the timed steps
         "first_steps_s": result.prime_s + sum(result.seconds[:warmup]),  # the first pass (GPU) and first steps
-        "total_s": sum(result.seconds),  # all steps, first ones included: what a run of this length takes
+        # what a run of this length takes from a fresh start: the first pass where there was one, else every step
+        "total_s": result.prime_s or sum(result.seconds),
         "first_step_s": result.seconds[:warmup],
         "prime_s": result.prime_s,  # wall time of the first pass over the stream (``train_primed``; 0 on CPU)
         "step_s": result.seconds[warmup:],
