@@ -36,9 +36,9 @@ OP_SWIGLU = dispatch.register("swiglu.swiglu")
 # Launch parameters only; dispatched with the forward op.
 OP_SWIGLU_BACKWARD = "swiglu.swiglu_backward"
 
-# Tiles of 4 rows x 1024 columns (fewer for narrower outputs): within 3% of the best of 24 tiles for each
-# e2e MoE shape, each way, on an H100 (docs/benchmarks.md, 2026-11-25, third session). The interpreter's small
-# tiles make small test inputs span several programs.
+# Tiles of 4 rows x 1024 columns (fewer for narrower outputs): within 0.4% of the best of 24 tiles for
+# Qwen3-30B-A3B's and gpt-oss's experts each way, on an H100 (docs/benchmarks.md, 2026-11-25, third session).
+# The interpreter's small tiles make small test inputs span several programs.
 for _op in (OP_SWIGLU, OP_SWIGLU_BACKWARD):
     autotune.register(
         _op,
