@@ -99,6 +99,16 @@ def test_half_precision_within_rounding(device, rng, dtype):
         _check(x, "triton", rng, tol=dict(atol=2e-2, rtol=1.6e-2), **kw)  # output and gradient rounded once
 
 
+def test_torch_compile_traces_the_op_and_its_backward(device, rng):
+    x = (torch.randn(9, 2 * 7, generator=rng) * 3).to(device).requires_grad_()
+    grad = torch.randn(9, 7, generator=rng).to(device)
+    compiled = torch.compile(lambda t: fastft.swiglu(t, **GPT_OSS), fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    want = fastft.swiglu(x, **GPT_OSS)
+    torch.testing.assert_close(out, want, **FP32)
+    torch.testing.assert_close(_grad(out, x, grad), _grad(want, x, grad), **FP32)
+
+
 def test_checks_arguments(device):
     x = torch.randn(4, 6, device=device)
     with pytest.raises(TypeError, match="gate_up must be a tensor"):
