@@ -52,6 +52,15 @@ def peak_gib(fn, device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
+def copy_gbs(device: torch.device) -> float | None:
+    """The device's copy bandwidth in GB/s (a 1 GiB clone, read + write counted): the floor of a
+    bandwidth-bound kernel. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    buf = torch.empty(2**30, dtype=torch.uint8, device=device)
+    return 2 * buf.numel() / (time_ms(lambda: buf.clone(), device) * 1e6)
+
+
 def graph_ms(fn, *, rep_ms: int = 100) -> float:
     """Median GPU milliseconds of ``fn()`` replayed from a CUDA graph: device time without host launch cost."""
     import triton.testing

@@ -12,7 +12,7 @@ import fastft
 from fastft import conv, dispatch
 from fastft.testing import packed_position_ids
 
-from .common import Row, peak_gib, time_ms
+from .common import Row, copy_gbs, peak_gib, time_ms
 
 # name -> (channels, kernel width, bias, activation): the defaults of each family's transformers config
 SHAPES = {
@@ -40,11 +40,7 @@ def run(device: torch.device, quick: bool) -> list[Row]:
     dtype = torch.bfloat16 if gpu else torch.float32
     tokens = 24 if not gpu else 256 if quick else 16384  # 24: the interpreter's speed on a CPU
     backend = dispatch.backend_for(conv.OP_CONV, device)
-    copy_gbs = None
-    if gpu:  # device copy bandwidth (read + write): the floor of a bandwidth-bound kernel
-        buf = torch.empty(2**30, dtype=torch.uint8, device=device)
-        copy_gbs = 2 * buf.numel() / (time_ms(lambda: buf.clone(), device) * 1e6)
-        del buf
+    copy_bw = copy_gbs(device)
     rows = []
     shapes = SHAPES if gpu else dict(list(SHAPES.items())[-1:])  # the interpreter: one shape, bias and SiLU
     for name, (channels, width, has_bias, activation) in shapes.items():
@@ -81,8 +77,8 @@ def run(device: torch.device, quick: bool) -> list[Row]:
             ms = {k: time_ms(fn, device, rep_ms=rep) for k, fn in fns.items()}
             peak = {k: peak_gib(fn, device) for k, fn in fns.items()}
             note = ""
-            if copy_gbs is not None:
-                floor = nbytes / (copy_gbs * 1e6)
+            if copy_bw is not None:
+                floor = nbytes / (copy_bw * 1e6)
                 gbs = nbytes / (ms["ours"] * 1e6)
                 note = f"{gbs:.0f} GB/s, {ms['ours'] / floor:.2f}x the HBM floor ({floor:.3f} ms at copy bandwidth)"
                 note += f"; peak {peak['ours']:.2f} GiB vs {{}} GiB"

@@ -11,7 +11,7 @@ from fastft.checks import routing_fields
 from fastft.reference import routing as reference
 from fastft.testing import assert_same, router_ids
 
-from .common import Row, graph_ms, host_us, time_ms
+from .common import Row, copy_gbs, graph_ms, host_us, time_ms
 
 
 # name -> (experts, top_k, hidden)
@@ -36,17 +36,13 @@ def run(device: torch.device, quick: bool) -> list[Row]:
     backend = dispatch.backend_for(routing.OP_ROUTE, device)
     tokens = (64,) if quick else (4096, 16384, 65536)
     shapes = {"tiny": (8, 2, 64)} if quick else SHAPES
-    copy_gbs = None
-    if gpu:  # device copy bandwidth (read + write), the bound for gathers
-        buf = torch.empty(2**30, dtype=torch.uint8, device=device)
-        copy_gbs = 2 * buf.numel() / (time_ms(lambda: buf.clone(), device) * 1e6)
-        del buf
+    copy_bw = copy_gbs(device)  # the bound for gathers
 
     def bw_note(nbytes: int, ms: float) -> str:
-        if copy_gbs is None:
+        if copy_bw is None:
             return ""
         gbs = nbytes / (ms * 1e6)
-        note = f"{gbs:.0f} GB/s = {100 * gbs / copy_gbs:.0f}% of copy ({copy_gbs:.0f} GB/s)"
+        note = f"{gbs:.0f} GB/s = {100 * gbs / copy_bw:.0f}% of copy ({copy_bw:.0f} GB/s)"
         if nbytes <= 2**31:  # a clone moving the same bytes pays the same fixed costs per call (launch, L2)
             same = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
             same_gbs = nbytes / (time_ms(lambda: same.clone(), device) * 1e6)

@@ -12,7 +12,7 @@ import fastft
 from fastft import dispatch
 from fastft.swiglu import OP_SWIGLU
 
-from .common import Row, peak_gib, time_ms
+from .common import Row, copy_gbs, peak_gib, time_ms
 
 GPT_OSS = dict(interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)
 
@@ -40,11 +40,7 @@ def run(device: torch.device, quick: bool) -> list[Row]:
     gpu = device.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     backend = dispatch.backend_for(OP_SWIGLU, device)
-    copy_gbs = None
-    if gpu:  # device copy bandwidth (read + write): the floor of a bandwidth-bound kernel
-        buf = torch.empty(2**30, dtype=torch.uint8, device=device)
-        copy_gbs = 2 * buf.numel() / (time_ms(lambda: buf.clone(), device) * 1e6)
-        del buf
+    copy_bw = copy_gbs(device)
     rows = []
     shapes = SHAPES if gpu else {"gpt-oss-20b": SHAPES["gpt-oss-20b"]}  # the interpreter: one shape
     for name, (count, width, kw) in shapes.items():
@@ -69,8 +65,8 @@ def run(device: torch.device, quick: bool) -> list[Row]:
             ms = {k: time_ms(fn, device, rep_ms=rep) for k, fn in fns.items()}
             peak = {k: peak_gib(fn, device) for k, fn in fns.items()}
             note = ""
-            if copy_gbs is not None:
-                floor = nbytes / (copy_gbs * 1e6)
+            if copy_bw is not None:
+                floor = nbytes / (copy_bw * 1e6)
                 note = f"{nbytes / (ms['ours'] * 1e6):.0f} GB/s, {ms['ours'] / floor:.2f}x the HBM floor"
                 note += f"; peak {peak['ours']:.2f} GiB vs {peak[list(fns)[1]]:.2f} GiB"
             layout = "interleaved, clamped" if kw.get("interleaved") else "halves"
