@@ -8,10 +8,13 @@ Steps: ``moe_route`` (no host sync) -> ``moe_permute`` -> ``grouped_linear`` up 
 ``moe_expert_rows``) -> ``activation`` -> ``grouped_linear`` down (+ ``down_bias`` rows) -> ``moe_unpermute``
 weighted by the router (fp32 sum in ascending k). ``grouped_linear`` is ``torch._grouped_mm`` where it runs
 (CUDA bf16, aligned sizes; no host sync), else one matmul per expert, which reads the offsets on the host.
-A projection with an ``ExpertLoRA`` adds ``scaling * (x A_e^T) B_e^T`` to its rows: two more grouped GEMMs over
-the same rows and offsets (``[N, r]`` in between), the adapters cast to the rows' dtype (``r`` padded to a
-multiple of 8 on CUDA, with zeros, for ``torch._grouped_mm``). Nothing of the weights' size is formed, in
-forward or backward: PEFT's ``target_parameters`` path forms ``W + scaling B A`` for every expert at every call.
+A projection with an ``ExpertLoRA`` adds ``scaling * (x A_e^T) B_e^T`` to its rows: one more grouped GEMM over
+the same rows and offsets (``u = x A_e^T``, ``[N, r]``), then ``grouped_lowrank_add`` adds ``u B_e^T`` to the
+base GEMM's rows in one pass (a Triton kernel; no ``[N, out]`` product and no add of its own); backward the
+same way (``dx = dy W_e + scaling (dy B_e) A_e`` in one low-rank add), the adapters' gradients as grouped
+GEMMs over the rows. The adapters are cast to the rows' dtype (``r`` padded to a multiple of 8 on CUDA, with
+zeros, for ``torch._grouped_mm``). Nothing of the weights' size is formed, in forward or backward: PEFT's
+``target_parameters`` path forms ``W + scaling B A`` for every expert at every call.
 The specification is ``fastft.reference.experts``. transformers' experts blocks call this through
 ``fastft.integrations.transformers`` (``use_moe``); nothing here imports transformers.
 """
@@ -24,11 +27,21 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import capabilities
+from . import autotune, capabilities, dispatch
 from ._checks import number_arg
+from ._custom_op import custom_op
+from .reference import experts as reference
 from .routing import moe_expert_rows, moe_permute, moe_route, moe_unpermute
 
-__all__ = ["ExpertLoRA", "grouped_linear", "routed_experts"]
+__all__ = ["ExpertLoRA", "grouped_linear", "grouped_lowrank_add", "routed_experts"]
+
+OP_LOWRANK_ADD = dispatch.register("experts.grouped_lowrank_add")
+# A pass over y: 64 x 128 tiles, 4 warps. The interpreter's 16 x 16 tiles (tl.dot's least) make small test
+# inputs span several programs and experts.
+autotune.register(
+    OP_LOWRANK_ADD,
+    autotune.Tunable({"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4}, interpreter={"BLOCK_M": 16, "BLOCK_N": 16}),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,20 +84,77 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, t
     return torch.cat(rows + [x.new_zeros(x.shape[0] - starts[-1], w.shape[-1])])  # padding rows: 0
 
 
+@custom_op("fastft::grouped_lowrank_add")
+def lowrank_add_op(
+    y: torch.Tensor, u: torch.Tensor, v: torch.Tensor, ends: torch.Tensor, scaling: float, backend: str
+) -> torch.Tensor:
+    """``grouped_lowrank_add`` on the backend named, no validation: ``y`` ``[N, out]`` and ``u`` ``[N, r]``
+    with unit column stride, ``v`` ``[E, r, out]`` in ``u``'s dtype, ``ends`` ``[E]`` int32 contiguous."""
+    if backend == "torch" or y.numel() == 0 or u.shape[1] == 0:
+        return reference.grouped_lowrank_add(y, u, v, ends, scaling)
+    from .kernels import experts as kernels
+
+    return kernels.grouped_lowrank_add(y, u, v, ends, scaling, **autotune.params(OP_LOWRANK_ADD, y.device, y.numel()))
+
+
+@lowrank_add_op.register_fake
+def _(y, u, v, ends, scaling, backend):
+    return y.new_empty(y.shape)
+
+
+def _grouped_outer(m1: torch.Tensor, m2: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``[E, P, Q]``: expert ``e``'s ``m1[rows].T @ m2[rows]`` (``m1`` ``[N, P]``, ``m2`` ``[N, Q]``), a weight's
+    gradient over each expert's rows; rows from ``ends[-1]`` on take no part."""
+    if m1.is_cuda and m1.dtype == m2.dtype == torch.bfloat16 and m1.shape[1] % 8 == 0 and m2.shape[1] % 8 == 0:
+        return torch._grouped_mm(m1.contiguous().t(), m2.contiguous(), offs=ends)
+    starts = [0] + ends.tolist()
+    return torch.stack([m1[a:b].T @ m2[a:b] for a, b in zip(starts, starts[1:])])
+
+
+class _AdaptedLinear(torch.autograd.Function):
+    """``_grouped_linear`` plus a LoRA pair's low-rank product over the same rows, its backward written out:
+    one low-rank add each way instead of a product and an add (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, lora_a, lora_b, ends, transposed, scaling, backend):
+        a = lora_a.to(x.dtype)
+        b = lora_b.to(x.dtype)
+        pad = -a.shape[1] % 8 if x.is_cuda else 0  # torch._grouped_mm takes 16-byte aligned rows only
+        if pad:
+            a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
+        a, b = a.contiguous(), b.contiguous()  # [E, r, in], [E, out, r]
+        xa = _grouped_linear(x, a, ends, False)  # [N, r]
+        y = lowrank_add_op(_grouped_linear(x, weight, ends, transposed), xa, b.transpose(1, 2), ends, scaling, backend)
+        ctx.save_for_backward(x, weight, a, b, xa, ends)
+        ctx.args = (transposed, scaling, backend, lora_a.shape[1], lora_a.dtype, lora_b.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, a, b, xa, ends = ctx.saved_tensors
+        transposed, scaling, backend, rank, a_dtype, b_dtype = ctx.args
+        dy = dy.contiguous()
+        dyb = _grouped_linear(dy, b, ends, True)  # [N, r]: dy_e @ B_e
+        dx = dw = da = db = None
+        if ctx.needs_input_grad[0]:
+            dx = lowrank_add_op(_grouped_linear(dy, weight, ends, not transposed), dyb, a, ends, scaling, backend)
+        if ctx.needs_input_grad[1]:
+            dw = _grouped_outer(x, dy, ends) if transposed else _grouped_outer(dy, x, ends)
+        if ctx.needs_input_grad[2]:
+            da = _grouped_outer(dyb, x, ends)[:, :rank].mul_(scaling).to(a_dtype)
+        if ctx.needs_input_grad[3]:
+            db = _grouped_outer(dy, xa, ends)[:, :, :rank].mul_(scaling).to(b_dtype)
+        return dx, dw, da, db, None, None, None, None
+
+
 def _adapted_linear(
     x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, transposed: bool, lora: ExpertLoRA | None
 ) -> torch.Tensor:
-    """``_grouped_linear`` plus, with ``lora``, its low-rank product over the same rows (two thin grouped GEMMs)."""
-    y = _grouped_linear(x, weight, ends, transposed)
+    """``_grouped_linear`` plus, with ``lora``, its low-rank product over the same rows."""
     if lora is None:
-        return y
-    a = lora.a.to(x.dtype)
-    b = lora.b.to(x.dtype) * lora.scaling  # [E, out, r]: r * out per expert, tiny
-    pad = -a.shape[1] % 8 if x.is_cuda else 0  # torch._grouped_mm takes 16-byte aligned rows only
-    if pad:
-        a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
-    xa = _grouped_linear(x, a.contiguous(), ends, False)  # [N, r]
-    return y.add_(_grouped_linear(xa, b.contiguous(), ends, False))  # in place: no second [N, out] buffer
+        return _grouped_linear(x, weight, ends, transposed)
+    backend = dispatch.backend_for(OP_LOWRANK_ADD, x.device)
+    return _AdaptedLinear.apply(x, weight, lora.a, lora.b, ends, transposed, float(lora.scaling), backend)
 
 
 def _check_lora(name: str, lora, experts: int, in_features: int, out_features: int, device: torch.device) -> None:
@@ -118,6 +188,48 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tr
     if ends.shape[0] != experts or ends.dtype != torch.int32:
         raise ValueError(f"ends must be [E={experts}] int32, got {tuple(ends.shape)} {ends.dtype}")
     return _grouped_linear(x, weight, ends, transposed)
+
+
+def grouped_lowrank_add(
+    y: torch.Tensor,
+    u: torch.Tensor,
+    v: torch.Tensor,
+    ends: torch.Tensor,
+    scaling: float = 1.0,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``[N, out]`` in ``y``'s dtype: ``y[i] + scaling * u[i] @ v[e]`` for each row ``i`` of expert ``e``
+    (``ends[e-1] <= i < ends[e]``), computed in fp32; rows from ``ends[-1]`` on are ``y``'s. One pass over
+    ``y`` (a LoRA adapter's second product added to a grouped GEMM's rows; ``v = B_e^T``).
+
+    ``y``: ``[N, out]`` floating; ``u``: ``[N, r]`` floating; ``v``: ``[E, r, out]`` in ``u``'s dtype, any
+    strides; ``ends``: ``[E]`` int32 ascending row ends, at most ``N`` (``MoERouting.offsets[1:]``); all on
+    one device. Not differentiable (``routed_experts`` writes its backward out). ``backend``: ``auto``,
+    ``triton`` or ``torch``. ``TypeError``/``ValueError`` naming the argument for anything else; ``ends`` is
+    not read on the host, so its order and bound are the caller's promise (a row past ``ends[-1]`` is left
+    as ``y``'s)."""
+    for name, t, dim in (("y", y, 2), ("u", u, 2), ("v", v, 3), ("ends", ends, 1)):
+        _tensor(name, t, dim)
+        if t.device != y.device:
+            raise ValueError(f"{name} is on {t.device}, y on {y.device}: all must be on one device")
+    for name, t in (("y", y), ("u", u), ("v", v)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    if v.dtype != u.dtype:
+        raise TypeError(f"v must have u's dtype {u.dtype}, got {v.dtype}")
+    rows, cols = y.shape
+    if u.shape[0] != rows:
+        raise ValueError(f"u must be [N={rows}, r], got {tuple(u.shape)}")
+    if tuple(v.shape[1:]) != (u.shape[1], cols):
+        raise ValueError(f"v must be [E, r, out]=(E, {u.shape[1]}, {cols}), got {tuple(v.shape)}")
+    if ends.shape[0] != v.shape[0] or ends.dtype != torch.int32:
+        raise ValueError(f"ends must be [E={v.shape[0]}] int32, got {tuple(ends.shape)} {ends.dtype}")
+    scaling = number_arg("scaling", scaling)
+    chosen = dispatch.backend_for(OP_LOWRANK_ADD, y.device, backend)
+    y = y if y.stride(-1) == 1 or cols <= 1 else y.contiguous()
+    u = u if u.stride(-1) == 1 or u.shape[1] <= 1 else u.contiguous()
+    return lowrank_add_op(y, u, v, ends.contiguous(), float(scaling), chosen)
 
 
 def routed_experts(

@@ -146,6 +146,53 @@ def test_grouped_linear_matches_reference(transposed, rng):
     assert not got[int(ends[-1]) :].any()
 
 
+def lowrank_case(g, rows, cols, rank, num_experts, dtype=torch.float32, device="cpu"):
+    """``y``, ``u``, ``v`` (a transposed view, as the op gets ``B_e^T``) and ``ends`` with empty experts and
+    rows past the last end."""
+    y = torch.randn(rows, cols, generator=g).to(device, dtype)
+    u = torch.randn(rows, rank, generator=g).to(device, dtype)
+    v = torch.randn(num_experts, cols, rank, generator=g).to(device, dtype).transpose(1, 2)
+    counts = torch.randint(0, 2 * rows // num_experts + 2, (num_experts,), generator=g)
+    counts[torch.randint(num_experts, (1,), generator=g)] = 0
+    ends = counts.cumsum(0).clamp_max(rows - int(torch.randint(0, 3, (), generator=g))).to(torch.int32)
+    return y, u, v, ends.to(device)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("rows, cols, rank, num_experts", [(37, 24, 3, 5), (50, 40, 16, 9), (19, 17, 20, 1)])
+def test_grouped_lowrank_add_matches_reference(backend, rows, cols, rank, num_experts, rng, device):
+    y, u, v, ends = lowrank_case(rng, rows, cols, rank, num_experts, device=device)
+    got = experts.grouped_lowrank_add(y, u, v, ends, 0.5, backend=backend)
+    want = reference.grouped_lowrank_add(y, u, v, ends, 0.5)
+    torch.testing.assert_close(got, want, **TOL)
+    last = int(ends[-1])
+    assert torch.equal(got[last:], y[last:])  # rows past the last end are y's
+    for e, (a, b) in enumerate(zip([0] + ends.tolist(), ends.tolist())):  # against each expert's product
+        torch.testing.assert_close(got[a:b], y[a:b] + 0.5 * u[a:b] @ v[e], **TOL)
+
+
+def test_grouped_lowrank_add_errors():
+    y, u, v, ends = torch.randn(6, 4), torch.randn(6, 2), torch.randn(3, 2, 4), torch.tensor([2, 4, 6]).int()
+    with pytest.raises(TypeError, match="u must be a tensor, got list"):
+        experts.grouped_lowrank_add(y, u.tolist(), v, ends)
+    with pytest.raises(ValueError, match="v must have 3 dimensions"):
+        experts.grouped_lowrank_add(y, u, v[0], ends)
+    with pytest.raises(ValueError, match=r"u must be \[N=6, r\]"):
+        experts.grouped_lowrank_add(y, u[:5], v, ends)
+    with pytest.raises(ValueError, match=r"v must be \[E, r, out\]=\(E, 2, 4\), got \(3, 4, 2\)"):
+        experts.grouped_lowrank_add(y, u, v.transpose(1, 2), ends)
+    with pytest.raises(TypeError, match="v must have u's dtype"):
+        experts.grouped_lowrank_add(y, u, v.double(), ends)
+    with pytest.raises(ValueError, match=r"ends must be \[E=3\] int32"):
+        experts.grouped_lowrank_add(y, u, v, ends.long())
+    with pytest.raises(TypeError, match="y must be floating point"):
+        experts.grouped_lowrank_add(y.int(), u, v, ends)
+    with pytest.raises(TypeError, match="scaling must be a number"):
+        experts.grouped_lowrank_add(y, u, v, ends, "2")
+    with pytest.raises(ValueError, match="ends is on meta"):
+        experts.grouped_lowrank_add(y, u, v, ends.to("meta"))
+
+
 def test_errors():
     x, ids, w = torch.randn(4, 8), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2)
     up, down = torch.randn(3, 6, 8), torch.randn(3, 8, 6)
@@ -217,6 +264,20 @@ def test_grouped_mm_path_matches_reference_in_bf16(transposed, rng):
         assert err < 2e-2, (name, err)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "rows, cols, rank, num_experts", [(131072, 1536, 16, 128), (65536, 5760, 16, 32), (4099, 2048, 8, 256)]
+)
+def test_grouped_lowrank_add_in_bf16_at_real_sizes(rows, cols, rank, num_experts, rng):
+    """The Triton kernel on the e2e experts' widths (Qwen3-30B-A3B's and gpt-oss's gate-up rows; Qwen3.5-MoE's
+    256 experts, most holding a few rows), against the fp32 reference on the same bf16 inputs."""
+    y, u, v, ends = lowrank_case(rng, rows, cols, rank, num_experts, torch.bfloat16, "cuda")
+    got = experts.grouped_lowrank_add(y, u, v, ends, 2.0, backend="triton")
+    want = reference.grouped_lowrank_add(y.float(), u.float(), v.float(), ends, 2.0)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.1, rtol=1e-2)  # bf16 rounding of values up to ~50
+
+
 def materialised(hidden_states, top_k_index, top_k_weights, up, down, *, up_lora, down_lora, transposed, **kw):
     """PEFT's way: ``W + scaling B A`` formed for every expert, then the op without adapters (the op alone is
     tested against the reference above; the reference's per-pair loop is too slow at these sizes)."""
@@ -265,3 +326,12 @@ def test_lora_grouped_mm_path_at_real_sizes_in_bf16(shape, rank, rng):
     for name, got, ref in [("y", y, want)] + [(n, grads[n], want_grads[n]) for n in want_grads if n not in frozen]:
         err = float((got.float() - ref).norm() / ref.norm().clamp_min(1e-12))
         assert err < 2e-2, (name, err)
+
+
+def test_the_check_command_case(device, rng):
+    """``python -m fastft check``'s experts case: the low-rank add and routed_experts with LoRA, every gradient."""
+    from fastft import checks
+
+    assert checks.CHECKS["experts"] is checks.check_experts
+    for _ in range(5):
+        checks.check_experts(rng, device, 48)

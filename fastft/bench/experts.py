@@ -4,7 +4,9 @@ forward + backward, with transformers' own experts implementations and with fast
 ``fastft.swiglu``: permute, grouped GEMM, gate, grouped GEMM, combine); and with PEFT ``target_parameters``
 LoRA (r=16) on its weights: PEFT's forward (``W + scaling B A`` formed for every expert, then fastft's experts
 path) against fastft's low-rank grouped GEMMs (``use_lora``), time and peak memory (the weights frozen, as in
-LoRA fine-tuning)."""
+LoRA fine-tuning). The low-rank add alone (``fastft.experts.grouped_lowrank_add``, the adapter's second
+product added to the base GEMM's rows) against the grouped GEMM of that product plus an add, on each
+projection's rows, beside the HBM floor (one read and one write of the rows)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from unittest import mock
 
 import torch
 
-from .common import Row, peak_gib, time_ms
+from .common import Row, copy_gbs, peak_gib, time_ms
 
 LORA_RANK = 16
 
@@ -102,7 +104,30 @@ def run(device: torch.device, quick: bool) -> list[Row]:
             note = "" if peaks[impl] is None else f"peak {peaks['fastft']:.2f} GiB vs {peaks[impl]:.2f} GiB"
             rows.append(Row("transformers MoE experts", shape, label, times[impl], times["fastft"], backend, note))
         rows += _lora_rows(experts, x, ids, weights, shape, backend, device, 500 if gpu else 50)
+        rows += _lowrank_rows(name, e, tokens * k, fields, device, dtype, 500 if gpu else 50)
         del experts, x
+    return rows
+
+
+def _lowrank_rows(name, num_experts, pairs, fields, device, dtype, rep_ms) -> list[Row]:
+    """``grouped_lowrank_add`` on the gate-up and down rows of one step's routed pairs (balanced experts)."""
+    from fastft import dispatch
+    from fastft.experts import OP_LOWRANK_ADD, grouped_linear, grouped_lowrank_add
+
+    inter = fields.get("moe_intermediate_size", fields.get("intermediate_size"))
+    ends = torch.linspace(0, pairs, num_experts + 1, device=device)[1:].round().to(torch.int32)
+    gbs = copy_gbs(device)
+    rows = []
+    for label, width in (("gate-up", 2 * inter), ("down", fields["hidden_size"])):
+        y = torch.randn(pairs, width, device=device, dtype=dtype)
+        u = torch.randn(pairs, LORA_RANK, device=device, dtype=dtype)
+        b = torch.randn(num_experts, width, LORA_RANK, device=device, dtype=dtype)
+        ours = time_ms(lambda: grouped_lowrank_add(y, u, b.transpose(1, 2), ends), device, rep_ms=rep_ms)
+        theirs = time_ms(lambda: y + grouped_linear(u, b, ends, False), device, rep_ms=rep_ms)
+        floor = "" if gbs is None else f"{ours / (2 * y.numel() * y.element_size() / gbs / 1e6):.2f}x the HBM floor"
+        shape = f"{name} {label} rows: {pairs} x {width}, r={LORA_RANK}, E={num_experts}"
+        backend = dispatch.backend_for(OP_LOWRANK_ADD, device)
+        rows.append(Row("grouped_lowrank_add", shape, "grouped GEMM of u B^T, then add", theirs, ours, backend, floor))
     return rows
 
 

@@ -25,6 +25,19 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tr
     return torch.stack(rows) if rows else x.new_zeros(0, out_features)
 
 
+def grouped_lowrank_add(
+    y: torch.Tensor, u: torch.Tensor, v: torch.Tensor, ends: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """``y`` plus ``scaling * u[i] @ v[e]`` on row ``i`` of each expert ``e`` (``ends[e-1] <= i < ends[e]``),
+    in fp32, returned in ``y``'s dtype; rows from ``ends[-1]`` on are ``y``'s."""
+    out = y.float().clone()
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        out[start:end] += scaling * (u[start:end].float() @ v[e].float())
+        start = max(start, end)
+    return out.to(y.dtype)
+
+
 def _matrix(weight: torch.Tensor, lora, transposed: bool, e: int) -> torch.Tensor:
     """Expert ``e``'s ``[in, out]`` matrix, with ``lora`` (``a`` ``[E, r, in]``, ``b`` ``[E, out, r]``,
     ``scaling``) added as ``scaling * (b[e] @ a[e]).T``."""
