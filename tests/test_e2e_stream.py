@@ -94,8 +94,9 @@ def test_the_columns_table():
         "fastft + liger",
         "fastft + liger, graphs",
         "fastft + liger, graphs auto",
+        "fastft + liger, graphs, experts lora",
     ]
-    assert [n for n in c if c[n].moe_only] == ["fastft, experts lora"]
+    assert [n for n in c if c[n].moe_only] == ["fastft, experts lora", "fastft + liger, graphs, experts lora"]
     cpu = torch.device("cpu")
     assert e2e.why_not("stock flex", cpu) == "needs a GPU"
     assert set(e2e.columns(cpu)) == {n for n in c if not c[n].gpu_only and e2e.why_not(n, cpu) is None}

@@ -32,7 +32,7 @@ one ``Column`` each, built on a transformers model with random weights from ``fa
 - ``fastft, graphs`` and ``fastft + liger, graphs``: the same with ``apply(..., graphs=True)``, each
   checkpointed layer replayed as CUDA graphs (GPU only; a new batch signature is captured when it comes);
   ``fastft + liger, graphs auto``: ``graphs="auto"``, graphs only for layers whose eager forward is
-  launch-bound.
+  launch-bound; ``fastft + liger, graphs, experts lora`` (MoE models): LoRA on the experts' weights too.
 - ``unsloth`` (GPU and unsloth only): Unsloth's own stack (``fastft.bench.unsloth``, in a process of its own:
   Unsloth patches transformers, peft and trl when imported): the same weights saved and loaded through
   ``FastLanguageModel`` (MoE models: ``FastModel``), LoRA r=16 on the same projections through its
@@ -366,6 +366,14 @@ COLUMNS = {
             gpu_only=True,
             needs=("liger-kernel",),
             fastft=True,
+        ),
+        Column(
+            "fastft + liger, graphs, experts lora",
+            _with_liger(functools.partial(_fastft_setup, experts=True, graphs=True)),
+            gpu_only=True,
+            needs=("liger-kernel", "peft"),
+            fastft=True,
+            moe_only=True,
         ),
         Column("unsloth", _in_own_process, gpu_only=True, needs=("unsloth",), peer=True, own_process=_unsloth),
     )
