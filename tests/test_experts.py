@@ -4,6 +4,8 @@ forward and gradients in fp32 on random routings drawn fresh each run (``rng``).
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fastft import experts
 from fastft.reference import experts as reference
@@ -169,6 +171,28 @@ def test_grouped_lowrank_add_matches_reference(backend, rows, cols, rank, num_ex
     assert torch.equal(got[last:], y[last:])  # rows past the last end are y's
     for e, (a, b) in enumerate(zip([0] + ends.tolist(), ends.tolist())):  # against each expert's product
         torch.testing.assert_close(got[a:b], y[a:b] + 0.5 * u[a:b] @ v[e], **TOL)
+
+
+@given(
+    rows=st.integers(1, 70),
+    cols=st.integers(1, 40),
+    rank=st.integers(1, 33),
+    num_experts=st.integers(1, 20),
+    transposed_v=st.booleans(),
+    scaling=st.sampled_from([1.0, 0.5, -2.0]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_grouped_lowrank_add_property(device, rows, cols, rank, num_experts, transposed_v, scaling, seed):
+    """The Triton backend against the reference on random shapes and expert row ranges (empty experts, rows
+    past the last end, ends past the rows), ``v`` contiguous or a transposed view."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(rows, cols, generator=g).to(device)
+    u = torch.randn(rows, rank, generator=g).to(device)
+    v = torch.randn(num_experts, rank, cols, generator=g)
+    v = (v.transpose(1, 2).contiguous().transpose(1, 2) if transposed_v else v).to(device)
+    ends = torch.randint(0, rows + 3, (num_experts,), generator=g).sort().values.to(device, torch.int32)
+    got = experts.grouped_lowrank_add(y, u, v, ends, scaling, backend="triton")
+    torch.testing.assert_close(got, reference.grouped_lowrank_add(y, u, v, ends, scaling), **TOL)
 
 
 def test_grouped_lowrank_add_errors():
