@@ -33,8 +33,10 @@ def routing_ids(kind, tokens, top_k, num_experts, g):
 
 def case(g, tokens, transposed, gated, bias, kind, num_experts=5, top_k=3, hidden=8, inter=6, out=7):
     up_width = 2 * inter if gated else inter
+    # each matrix scaled by its fan-in: activations of unit scale, so fp32 rounding stays within TOL
     up = torch.randn((num_experts, hidden, up_width) if transposed else (num_experts, up_width, hidden), generator=g)
     down = torch.randn((num_experts, inter, out) if transposed else (num_experts, out, inter), generator=g)
+    up, down = up / hidden**0.5, down / inter**0.5
     tensors = dict(
         hidden_states=torch.randn(tokens, hidden, generator=g),
         top_k_weights=torch.rand(tokens, top_k, generator=g),
@@ -56,7 +58,7 @@ def add_lora(tensors, g, transposed, rank=3, scaling=0.75):
     down_in, down_out = dims if transposed else dims[::-1]
     for name, width_in, width_out in (("up", up_in, up_out), ("down", down_in, down_out)):
         tensors[f"{name}_a"] = torch.randn(experts_, rank, width_in, generator=g) / width_in**0.5
-        tensors[f"{name}_b"] = torch.randn(experts_, width_out, rank, generator=g)
+        tensors[f"{name}_b"] = torch.randn(experts_, width_out, rank, generator=g) / rank**0.5
     return scaling
 
 
@@ -69,7 +71,8 @@ def run(fn, tensors, ids, options, grad, scaling=None, frozen=()):
         if f"{name}_a" in leaves
     }
     y = fn(*args, **options, up_bias=leaves.get("up_bias"), down_bias=leaves.get("down_bias"), **loras)
-    (y * grad).sum().backward()
+    if y.requires_grad:  # the reference's output is a constant when no pair is routed
+        (y * grad).sum().backward()
     return y.detach(), {n: t.grad for n, t in leaves.items()}
 
 
@@ -141,7 +144,7 @@ def test_no_weights_means_all_ones_and_no_tokens(rng):
 def test_grouped_linear_matches_reference(transposed, rng):
     x = torch.randn(11, 6, generator=rng)
     weight = torch.randn((4, 6, 5) if transposed else (4, 5, 6), generator=rng)
-    counts = torch.randint(0, 4, (4,), generator=rng)  # some experts empty; rows past the last end are padding
+    counts = torch.randint(0, 3, (4,), generator=rng)  # some experts empty; rows past the last end are padding
     ends = counts.cumsum(0).to(torch.int32)
     got = experts.grouped_linear(x, weight, ends, transposed)
     torch.testing.assert_close(got, reference.grouped_linear(x, weight, ends, transposed), **TOL)
@@ -337,8 +340,6 @@ def test_lora_grouped_mm_path_at_real_sizes_in_bf16(shape, rank, rng):
     tensors, ids, options = case(
         rng, tokens, transposed, True, bias, "random", num_experts, top_k, hidden, inter, hidden
     )
-    for name in ("up", "down"):
-        tensors[name] /= tensors[name].shape[-1 if not transposed else -2] ** 0.5
     scaling = add_lora(tensors, rng, transposed, rank=rank, scaling=2.0)
     grad = torch.randn(tokens, hidden, generator=rng)
     frozen = ("up", "down")
