@@ -80,6 +80,8 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, t
     if capabilities.grouped_mm(x, weight):
         return torch._grouped_mm(x, w, offs=ends)
     starts = [0] + ends.tolist()
+    if any(b < a for a, b in zip(starts, starts[1:])) or starts[-1] > x.shape[0]:
+        raise ValueError(f"ends must be ascending row ends in [0, {x.shape[0]}] (x's rows), got {starts[1:]}")
     rows = [x[a:b] @ w[e] for e, (a, b) in enumerate(zip(starts, starts[1:]))]
     return torch.cat(rows + [x.new_zeros(x.shape[0] - starts[-1], w.shape[-1])])  # padding rows: 0
 
@@ -177,7 +179,10 @@ def _check_lora(name: str, lora, experts: int, in_features: int, out_features: i
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, transposed: bool) -> torch.Tensor:
     """``[N, out]``: rows ``ends[e-1]:ends[e]`` of ``x`` ``[N, in]`` times expert ``e``'s matrix, ``weight[e]``
     (``[in, out]``) when ``transposed``, else ``weight[e].T`` (``weight`` is ``[E, out, in]``); rows from
-    ``ends[-1]`` on are zero. ``ends``: ``[E]`` int32 ascending row ends (``MoERouting.offsets[1:]``)."""
+    ``ends[-1]`` on are zero. ``ends``: ``[E]`` int32 ascending row ends, at most ``N``
+    (``MoERouting.offsets[1:]``): checked (``ValueError``) where the product runs one matmul per expert, which
+    reads them on the host; ``torch._grouped_mm`` (CUDA bf16) takes them unread, so there they are the
+    caller's promise."""
     if not isinstance(transposed, bool):
         raise TypeError(f"transposed must be True or False, got {transposed!r}")
     _tensor("x", x, 2)

@@ -246,6 +246,10 @@ def test_errors():
         experts.routed_experts(x, ids, w, up, down, transposed=False, activation=silu_gate)
     with pytest.raises(ValueError, match="ends must be"):
         experts.grouped_linear(x, up, torch.tensor([1, 2, 4]), False)
+    with pytest.raises(ValueError, match=r"ends must be ascending row ends in \[0, 4\]"):
+        experts.grouped_linear(x, up, torch.tensor([1, 5, 5]).int(), False)
+    with pytest.raises(ValueError, match=r"ends must be ascending row ends in \[0, 4\]"):
+        experts.grouped_linear(x, up, torch.tensor([3, 2, 4]).int(), False)
 
 
 def test_lora_errors():
