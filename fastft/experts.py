@@ -93,7 +93,8 @@ def lowrank_add_op(
     """``grouped_lowrank_add`` on the backend named, no validation: ``y`` ``[N, out]`` and ``u`` ``[N, r]``
     with unit column stride, ``v`` ``[E, r, out]`` in ``u``'s dtype, ``ends`` ``[E]`` int32 contiguous."""
     if backend == "torch" or y.numel() == 0 or u.shape[1] == 0:
-        return reference.grouped_lowrank_add(y, u, v, ends, scaling)
+        with torch.no_grad():  # not differentiable on either backend
+            return reference.grouped_lowrank_add(y, u, v, ends, scaling)
     from .kernels import experts as kernels
 
     return kernels.grouped_lowrank_add(y, u, v, ends, scaling, **autotune.params(OP_LOWRANK_ADD, y.device, y.numel()))
@@ -210,7 +211,8 @@ def grouped_lowrank_add(
 
     ``y``: ``[N, out]`` floating; ``u``: ``[N, r]`` floating; ``v``: ``[E, r, out]`` in ``u``'s dtype, any
     strides; ``ends``: ``[E]`` int32 ascending row ends, at most ``N`` (``MoERouting.offsets[1:]``); all on
-    one device. Not differentiable (``routed_experts`` writes its backward out). ``backend``: ``auto``,
+    one device. Not differentiable: the result carries no gradient (``routed_experts`` writes its backward
+    out). ``backend``: ``auto``,
     ``triton`` or ``torch``. ``TypeError``/``ValueError`` naming the argument for anything else; ``ends`` is
     not read on the host, so its order and bound are the caller's promise (a row past ``ends[-1]`` is left
     as ``y``'s)."""

@@ -220,6 +220,18 @@ def test_grouped_lowrank_add_errors():
         experts.grouped_lowrank_add(y, u, v, ends.to("meta"))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_grouped_lowrank_add_is_not_differentiable(backend, device):
+    y, u, v = (
+        torch.randn(6, 4, device=device, requires_grad=True),
+        torch.randn(6, 2, device=device),
+        torch.randn(3, 2, 4, device=device),
+    )
+    assert not experts.grouped_lowrank_add(
+        y, u, v, torch.tensor([2, 4, 6], device=device).int(), backend=backend
+    ).requires_grad
+
+
 def test_errors():
     x, ids, w = torch.randn(4, 8), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2)
     up, down = torch.randn(3, 6, 8), torch.randn(3, 8, 6)
