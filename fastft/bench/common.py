@@ -61,6 +61,28 @@ def copy_gbs(device: torch.device) -> float | None:
     return 2 * buf.numel() / (time_ms(lambda: buf.clone(), device) * 1e6)
 
 
+def fwd_and_bwd(forwards: dict, leaves, grad, device, *, nbytes: dict, copy_bw: float | None, rep_ms: int):
+    """Each of ``forwards`` (label -> function returning the output; ``"ours"`` among them) timed forward, then
+    forward + backward (the gradient of ``leaves`` for ``grad``): ``[(mode, {label: ms}, {label: peak GiB or
+    None}, note)]``, where the note gives ``"ours"``' bandwidth against the HBM floor: ``nbytes[mode]`` bytes at
+    the device copy's ``copy_bw`` GB/s (``copy_gbs``; None: no note)."""
+    results = []
+    for mode in ("fwd", "fwd+bwd"):
+        if mode == "fwd":
+            fns = {k: (lambda f=f: f().detach()) for k, f in forwards.items()}
+        else:
+            fns = {k: (lambda f=f: torch.autograd.grad(f(), leaves, grad)) for k, f in forwards.items()}
+        ms = {k: time_ms(fn, device, rep_ms=rep_ms) for k, fn in fns.items()}
+        peak = {k: peak_gib(fn, device) for k, fn in fns.items()}
+        note = ""
+        if copy_bw is not None:
+            floor = nbytes[mode] / (copy_bw * 1e6)
+            note = f"{nbytes[mode] / (ms['ours'] * 1e6):.0f} GB/s, {ms['ours'] / floor:.2f}x the HBM floor"
+            note += f" ({floor:.3f} ms at copy bandwidth)"
+        results.append((mode, ms, peak, note))
+    return results
+
+
 def graph_ms(fn, *, rep_ms: int = 100) -> float:
     """Median GPU milliseconds of ``fn()`` replayed from a CUDA graph: device time without host launch cost."""
     import triton.testing

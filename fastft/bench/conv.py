@@ -12,7 +12,7 @@ import fastft
 from fastft import conv, dispatch
 from fastft.testing import packed_position_ids
 
-from .common import Row, copy_gbs, peak_gib, time_ms
+from .common import Row, copy_gbs, fwd_and_bwd
 
 # name -> (channels, kernel width, bias, activation): the defaults of each family's transformers config
 SHAPES = {
@@ -66,25 +66,19 @@ def run(device: torch.device, quick: bool) -> list[Row]:
             forwards["ours"](), forwards["fastft torch backend (correct)"](), atol=2e-2, rtol=1e-2
         )
         element = x.element_size()
-        for mode in ("fwd", "fwd+bwd"):
-            if mode == "fwd":
-                fns = {k: (lambda f=f: f().detach()) for k, f in forwards.items()}
-                nbytes = 2 * tokens * channels * element  # read x, write out
-            else:
-                fns = {k: (lambda f=f: torch.autograd.grad(f(), leaves, grad)) for k, f in forwards.items()}
-                nbytes = 5 * tokens * channels * element  # and read dout and x, write dx
-            rep = 200 if gpu else 1
-            ms = {k: time_ms(fn, device, rep_ms=rep) for k, fn in fns.items()}
-            peak = {k: peak_gib(fn, device) for k, fn in fns.items()}
-            note = ""
-            if copy_bw is not None:
-                floor = nbytes / (copy_bw * 1e6)
-                gbs = nbytes / (ms["ours"] * 1e6)
-                note = f"{gbs:.0f} GB/s, {ms['ours'] / floor:.2f}x the HBM floor ({floor:.3f} ms at copy bandwidth)"
+        nbytes = {
+            "fwd": 2 * tokens * channels * element,  # read x, write out
+            "fwd+bwd": 5 * tokens * channels * element,  # and read dout and x, write dx
+        }
+        rep = 200 if gpu else 1
+        for mode, ms, peak, note in fwd_and_bwd(
+            forwards, leaves, grad, device, nbytes=nbytes, copy_bw=copy_bw, rep_ms=rep
+        ):
+            if note:
                 note += f"; peak {peak['ours']:.2f} GiB vs {{}} GiB"
             case = f"{name}: {tokens} tokens, {num_docs} docs, C={channels}, W={width}"
             case += f"{', bias' if has_bias else ''}{', SiLU' if activation else ''}, {dtype}, {mode}"
-            for label in list(fns)[1:]:
+            for label in list(forwards)[1:]:
                 row_note = note.format(f"{peak[label]:.2f}") if note else ""
                 rows.append(Row("packed_conv1d", case, label, ms[label], ms["ours"], backend, row_note))
     return rows

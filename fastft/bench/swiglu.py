@@ -12,8 +12,9 @@ import fastft
 from fastft import dispatch
 from fastft.swiglu import OP_SWIGLU
 
-from .common import Row, copy_gbs, peak_gib, time_ms
+from .common import Row, copy_gbs, fwd_and_bwd
 
+BASELINE = "transformers' gate (torch ops)"
 GPT_OSS = dict(interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)
 
 # name -> (routed rows of a 16,384-token step: tokens x top-k, expert width W, fastft.swiglu's constants)
@@ -50,26 +51,19 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         grad = torch.randn(count, width, generator=g).to(device, dtype)
         forwards = {
             "ours": lambda: fastft.swiglu(x, **kw),
-            "transformers' gate (torch ops)": lambda: transformers_gate(x, **kw),
+            BASELINE: lambda: transformers_gate(x, **kw),
         }
         torch.testing.assert_close(forwards["ours"]().float(), transformers_gate(x.float(), **kw), atol=2e-2, rtol=2e-2)
         element = x.element_size()
-        for mode in ("fwd", "fwd+bwd"):
-            if mode == "fwd":
-                fns = {k: (lambda f=f: f().detach()) for k, f in forwards.items()}
-                nbytes = 3 * count * width * element  # read gate_up, write out
-            else:
-                fns = {k: (lambda f=f: torch.autograd.grad(f(), x, grad)) for k, f in forwards.items()}
-                nbytes = 8 * count * width * element  # and read gate_up and dout, write dgate_up
-            rep = 200 if gpu else 1
-            ms = {k: time_ms(fn, device, rep_ms=rep) for k, fn in fns.items()}
-            peak = {k: peak_gib(fn, device) for k, fn in fns.items()}
-            note = ""
-            if copy_bw is not None:
-                floor = nbytes / (copy_bw * 1e6)
-                note = f"{nbytes / (ms['ours'] * 1e6):.0f} GB/s, {ms['ours'] / floor:.2f}x the HBM floor"
-                note += f"; peak {peak['ours']:.2f} GiB vs {peak[list(fns)[1]]:.2f} GiB"
+        nbytes = {
+            "fwd": 3 * count * width * element,  # read gate_up, write out
+            "fwd+bwd": 8 * count * width * element,  # and read gate_up and dout, write dgate_up
+        }
+        rep = 200 if gpu else 1
+        for mode, ms, peak, note in fwd_and_bwd(forwards, x, grad, device, nbytes=nbytes, copy_bw=copy_bw, rep_ms=rep):
+            if note:
+                note += f"; peak {peak['ours']:.2f} GiB vs {peak[BASELINE]:.2f} GiB"
             layout = "interleaved, clamped" if kw.get("interleaved") else "halves"
             case = f"{name} experts' gate: {count} rows x W={width} ({layout}), {dtype}, {mode}"
-            rows.append(Row("swiglu", case, list(fns)[1], ms[list(fns)[1]], ms["ours"], backend, note))
+            rows.append(Row("swiglu", case, BASELINE, ms[BASELINE], ms["ours"], backend, note))
     return rows
