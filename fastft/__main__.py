@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -254,17 +255,20 @@ def _num_experts(name: str, tiny: bool) -> int:
 def cmd_audit(args) -> int:
     from fastft.audit import audit
     from fastft.bench import e2e
+    from fastft.graphs import capture_count
     from fastft.integrations.transformers import decoder_layers
 
     device = _device(args.device)
     _check_e2e_args(argparse.Namespace(**{**vars(args), "column": [args.column]}), device)
     tiny = args.quick or device.type != "cuda"
-    batches = e2e.model_stream(args.model, args.stream, tiny, device)
+    stream = e2e.model_stream(args.model, args.stream, tiny, device)
+    # The profiled steps' batches, which the warm-up passes run first: graphed columns capture there.
+    batches = itertools.cycle([next(stream) for _ in range(args.steps)])
     (model, _), restore = e2e.build(args.model, args.column, device, tiny, quant=args.quant)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
 
-    def step():  # each call trains on the stream's next batch (padded columns: its micro-batches)
+    def step():  # each call trains on the next batch (padded columns: its micro-batches)
         step_inputs = e2e.step_inputs(args.column, next(batches), args.model, tiny, args.host_lengths)
         for inputs, weight in e2e.micro_batches(step_inputs):
             loss = model(**inputs).loss
@@ -278,7 +282,12 @@ def cmd_audit(args) -> int:
         print(
             f"{args.model}, column '{args.column}', {args.stream} stream{lengths}" + (" (tiny config)" if tiny else "")
         )
-        print(audit(step, model=model, layers=decoder_layers(model), steps=args.steps))
+        for _ in range(args.warmup * args.steps):
+            step()
+        captures = capture_count()
+        print(audit(step, model=model, layers=decoder_layers(model), steps=args.steps, warmup=0))
+        if capture_count() > captures:  # a capture in the profiled steps: their times are not steady state
+            print(f"  CUDA graph captures in the profiled steps: {capture_count() - captures}")
     finally:
         restore()
     return 0
@@ -451,7 +460,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="the stack to build (an e2e column, default 'fastft'); one of " + ", ".join(f"'{c}'" for c in COLUMNS),
     )
-    p.add_argument("--steps", type=_positive(int), default=3, help="profiled steps, after one warm-up (default 3)")
+    p.add_argument("--steps", type=_positive(int), default=3, help="profiled steps (default 3)")
+    p.add_argument(
+        "--warmup",
+        type=_positive(int),
+        default=1,
+        help="unprofiled passes over the profiled steps' batches first (default 1): a graphed column captures "
+        "each signature there",
+    )
     p.add_argument(
         "--stream",
         choices=list(STREAM_CHOICES[:-1]),

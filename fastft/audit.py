@@ -6,7 +6,10 @@
 Runs ``step`` under ``torch.profiler`` (after ``warmup`` unprofiled calls) and reports, per step: wall time,
 kernel time and the GPU-busy fraction (the union of kernel intervals over the wall time), work
 submissions ("launches": kernel launches, copies and memsets on CUDA; top-level aten calls on a CPU, where
-nothing is launched), host syncs and the aten op each came from, and the top launch sources: the innermost
+nothing is launched), host syncs and the aten op each came from, why the compute stream (the one with the
+most kernel time) sat idle: each gap between its work is charged to work on another stream covering the gap's
+middle (a copy it waits for), else to where the host was (the innermost profiled range on any host thread: the
+module or autograd node, and the op or Python between ops), and the top launch sources: the innermost
 module class for forward work (recompute included), the autograd node for backward work. Each module of
 ``layers`` (a model's decoder layers) gets its own row (forward and recompute: backward work runs outside
 any module). ``python -m fastft audit`` does this for the end-to-end benchmark's step, its decoder layers
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 
 import torch
 
@@ -39,6 +43,8 @@ class AuditReport:
     syncs: float
     sync_sources: list  # [(aten op, syncs per step)]
     top_sources: list  # [(module class or autograd node, launches per step)]
+    idle_ms: float | None  # the compute stream's idle time; None without a GPU
+    idle_sources: list  # [(side-stream work or where the host was, ms of that idle per step)]
     layers: list  # [{"layer": i, "launches": per step, "host_ms": per step, "kernel_ms": per step or None}]
 
     def __str__(self) -> str:
@@ -55,6 +61,9 @@ class AuditReport:
         ]
         for source, n in self.sync_sources:
             lines.append(f"    sync from {source}: {n:g}")
+        if self.idle_ms is not None:
+            lines.append(f"  compute stream idle {self.idle_ms:.2f} ms, during:")
+            lines += [f"    {ms:8.2f} ms  {where}" for where, ms in self.idle_sources]
         lines.append("  top launch sources:")
         lines += [f"    {n:8.0f}  {source}" for source, n in self.top_sources]
         if self.layers and not any(row["launches"] for row in self.layers):
@@ -121,6 +130,73 @@ def _source(event) -> str:
     return "outside any module"
 
 
+def _stream(event):
+    return getattr(event, "device_resource_id", None)
+
+
+def _idle_sources(host_events, spans, windows, side=()) -> collections.Counter:
+    """Idle ms of a stream by cause: each gap between its ``spans`` (us) inside the step ``windows`` is
+    charged to a ``side`` span ``(start, end, name)`` of other streams covering its middle, else to the
+    innermost of ``host_events`` (nested per thread) covering it."""
+    gaps = []
+    for lo, hi in windows:
+        end = lo
+        for a, b in sorted((max(a, lo), min(b, hi)) for a, b in spans if a < hi and b > lo):
+            if a > end:
+                gaps.append((end, a))
+            end = max(end, b)
+        if hi > end:
+            gaps.append((end, hi))
+    stacks = collections.defaultdict(list)  # thread -> open events, outermost first
+    pending = sorted(host_events, key=lambda e: (e.time_range.start, -e.time_range.end))
+    side, running, j = sorted(side), [], 0  # running: a heap of the side spans begun, by end
+    charged, i = collections.Counter(), 0
+    for a, b in sorted(gaps):
+        mid = (a + b) / 2
+        while j < len(side) and side[j][0] <= mid:
+            heapq.heappush(running, (side[j][1], side[j][2]))
+            j += 1
+        while running and running[0][0] <= mid:
+            heapq.heappop(running)
+        if running:
+            charged["another stream: " + running[0][1][:80]] += (b - a) / 1000
+            continue
+        while i < len(pending) and pending[i].time_range.start <= mid:
+            e = pending[i]
+            stack = stacks[e.thread]
+            while stack and stack[-1].time_range.end <= e.time_range.start:
+                stack.pop()
+            stack.append(e)
+            i += 1
+        inner = None
+        for stack in stacks.values():
+            while stack and stack[-1].time_range.end <= mid:
+                stack.pop()
+            if stack and (inner is None or _length(stack[-1]) < _length(inner)):
+                inner = stack[-1]
+        charged[_where(inner)] += (b - a) / 1000
+    return charged
+
+
+def _length(event) -> float:
+    return event.time_range.end - event.time_range.start
+
+
+def _where(event) -> str:
+    """``_source`` of a host event and the op it is in (its outermost op outside any module or autograd
+    node; Python between ops where the innermost range is a module's or a node's)."""
+    if event is None:
+        return "no profiled range (Python outside the step's ops)"
+    chain = list(_ancestors(event))
+    owner = next((i for i, e in enumerate(chain) if e.name.startswith((_MODULE, _BACKWARD, _STEP))), len(chain))
+    if owner == 0:
+        op = "Python between ops"
+    else:
+        ops = [e for e in chain[:owner] if not e.name.startswith(_LAYER)]
+        op = ops[-1].name if ops else "Python between ops"
+    return f"{_source(event)}: {op}"
+
+
 def _layers_arg(layers) -> list:
     """``layers`` as a list of distinct modules (``TypeError``/``ValueError`` naming ``layers``)."""
     if isinstance(layers, torch.nn.Module) and not isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):
@@ -142,7 +218,7 @@ def _layers_arg(layers) -> list:
 def _union_ms(intervals) -> float:
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
-        if b > end:
+        if b > max(a, end):  # an event the profiler closed before it opened adds nothing
             total += b - max(a, end)
             end = b
     return total / 1000
@@ -205,6 +281,17 @@ def audit(step, *, model=None, layers=(), steps: int = 3, warmup: int = 1, top: 
         kernel_ms = sum(b - a for a, b in spans) / 1000
         busy = _union_ms([(max(a, lo), min(b, hi)) for a, b in spans for lo, hi in windows if a < hi and b > lo])
         busy = busy / wall if wall else 0.0
+        per_stream = collections.Counter()
+        for e in kernels:
+            per_stream[_stream(e)] += e.time_range.end - e.time_range.start
+        main = per_stream.most_common(1)[0][0] if per_stream else None
+        host = [e for e in events if e.device_type == cpu and e.name not in (_STEP, _WAIT)]
+        idle = _idle_sources(
+            host,
+            [(e.time_range.start, e.time_range.end) for e in kernels if _stream(e) == main],
+            windows,
+            [(e.time_range.start, e.time_range.end, e.name) for e in kernels if _stream(e) != main],
+        )
     else:  # nothing is launched: count the aten calls made outside other aten calls
         submits = [
             e
@@ -212,6 +299,7 @@ def audit(step, *, model=None, layers=(), steps: int = 3, warmup: int = 1, top: 
             if e.name.startswith("aten::") and not any(p.name.startswith("aten::") for p in _ancestors(e.cpu_parent))
         ]
         kernel_ms = busy = None
+        idle = collections.Counter()
     syncs = [
         e
         for e in events
@@ -247,5 +335,7 @@ def audit(step, *, model=None, layers=(), steps: int = 3, warmup: int = 1, top: 
         syncs=len(syncs) / steps,
         sync_sources=[(k, v / steps) for k, v in sync_from.most_common()],
         top_sources=[(k, v / steps) for k, v in sources.most_common(top)],
+        idle_ms=sum(idle.values()) / steps if cuda else None,
+        idle_sources=[(k, v / steps) for k, v in idle.most_common(top)],
         layers=layer_rows,
     )

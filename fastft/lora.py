@@ -3,9 +3,9 @@
 PEFT's LoRA forward with fp32 adapters (its default) on bf16 activations casts the whole input to fp32,
 runs two fp32 GEMMs, scales and adds an fp32 ``[tokens, out]`` tensor and casts the sum back: five passes
 over activation-sized tensors per layer and direction, around a rank-16 product. Here the adapters are
-cast instead (``r * (in + out)`` elements), the low-rank product is added by the GEMM itself (``addmm``),
-and backward runs four thin GEMMs. There is no Triton kernel: the saving is in the order of operations,
-and cuBLAS runs every product.
+cast instead (``r * (in + out)`` elements), the low-rank product is written first and the base GEMM adds
+onto it (``addmm_``: its epilogue's read of the rows hides behind its compute), and backward runs four thin
+GEMMs. There is no Triton kernel: the saving is in the order of operations, and cuBLAS runs every product.
 
 Numerics: the adapter path runs in the activations' dtype with the GEMMs' fp32 accumulation, so the output
 differs from the reference (``fastft.reference.lora``) by the rounding of that dtype; with fp32 inputs it
@@ -34,8 +34,14 @@ class _LoRALinear(torch.autograd.Function):
         a = lora_a.to(x.dtype)
         b = lora_b.to(x.dtype)
         xa = x2 @ a.T  # [N, r]
-        out = F.linear(x2, weight, bias)
-        out.addmm_(xa, b.T, alpha=scaling)
+        if bias is None:
+            # The low-rank product first, then the base GEMM adds onto it: its epilogue reads the [N, out]
+            # rows while the GEMM is compute-bound, instead of a thin GEMM reading and writing them again.
+            out = _scaled_mm(xa, b.T, scaling)
+            out.addmm_(x2, weight.T)
+        else:
+            out = F.linear(x2, weight, bias)
+            out.addmm_(xa, b.T, alpha=scaling)
         ctx.dequantize = dequantize  # backward materialises the weight again instead of keeping it
         ctx.save_for_backward(x2 if lora_a.requires_grad else None, xa, None if dequantize else weight, a, b)
         ctx.scaling, ctx.shape = scaling, x.shape
@@ -54,7 +60,7 @@ class _LoRALinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             if weight is None:
                 weight = ctx.dequantize()
-            dx = (dy @ weight).addmm_(dyb, a, alpha=s).view(ctx.shape)
+            dx = _scaled_mm(dyb, a, s).addmm_(dy, weight).view(ctx.shape)  # the thin product first, as forward
         if ctx.needs_input_grad[3]:
             da = _scaled_mm(dyb.T, x2, s).to(ctx.dtypes[0])
         if ctx.needs_input_grad[4]:

@@ -4,7 +4,9 @@ come from, per-layer rows; python -m fastft audit."""
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -55,6 +57,62 @@ def test_finds_a_host_sync_and_its_op():
     report = audit(lambda: (x @ x).sum().item(), steps=2)
     assert report.syncs >= 1 and report.launches >= 2
     assert any("item" in op or "_local_scalar_dense" in op for op, _ in report.sync_sources), report.sync_sources
+
+
+def _event(name, start, end, thread=1, parent=None):
+    return SimpleNamespace(
+        name=name, time_range=SimpleNamespace(start=start, end=end), thread=thread, cpu_parent=parent
+    )
+
+
+def test_idle_gaps_are_charged_to_the_innermost_host_range():
+    from fastft.audit import _MODULE, _idle_sources
+
+    # thread 1: a module range holding aten::mm (its launch inside) and then Python; thread 2: a backward node
+    module = _event(_MODULE + "Attention", 0, 100)
+    mm = _event("aten::mm", 10, 30, parent=module)
+    launch = _event("cudaLaunchKernel", 20, 28, parent=mm)
+    node = _event("autograd::engine::evaluate_function: MmBackward0", 120, 180, thread=2)
+    node_mm = _event("aten::mm", 130, 170, thread=2, parent=node)
+    spans = [(5, 15), (40, 60), (100, 125), (175, 190)]  # device work (us); two overlapping would merge
+    windows = [(0, 200)]
+    idle = _idle_sources([module, mm, launch, node, node_mm], spans, windows)
+    # gaps: 0-5 (module, Python), 15-40 (mid 27.5: in the launch under aten::mm), 60-100 (module, Python),
+    # 125-175 (mid 150: aten::mm under the node), 190-200 (nothing open)
+    assert dict(idle) == pytest.approx(
+        {
+            "Attention: Python between ops": (5 + 40) / 1000,
+            "Attention: aten::mm": 25 / 1000,
+            "backward: MmBackward0: aten::mm": 50 / 1000,
+            "no profiled range (Python outside the step's ops)": 10 / 1000,
+        }
+    )
+    assert sum(idle.values()) == pytest.approx((200 - 10 - 20 - 25 - 15) / 1000)  # the window minus device time
+    # a copy on another stream covering the middle of 60-100 takes that gap; one ending before 125-175's does not
+    side = [(70, 90, "Memcpy HtoD (Pinned -> Device)"), (126, 140, "Memcpy DtoH (Device -> Pinned)")]
+    idle = _idle_sources([module, mm, launch, node, node_mm], spans, windows, side)
+    assert idle["another stream: Memcpy HtoD (Pinned -> Device)"] == pytest.approx(40 / 1000)
+    assert idle["Attention: Python between ops"] == pytest.approx(5 / 1000)
+    assert idle["backward: MmBackward0: aten::mm"] == pytest.approx(50 / 1000)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+def test_gpu_idle_while_the_host_sleeps_is_charged_to_its_module():
+    class Sleepy(torch.nn.Module):
+        def forward(self, x):
+            y = x @ x
+            time.sleep(0.02)  # the GPU runs dry while the host is here
+            return y @ x
+
+    model = Sleepy()
+    x = torch.randn(512, 512, device="cuda")
+    report = audit(lambda: model(x).sum(), model=model, steps=2)
+    where, ms = report.idle_sources[0]
+    assert where == "Sleepy: Python between ops" and 15 < ms < 40, report.idle_sources
+    assert sum(ms for _, ms in report.idle_sources) <= report.idle_ms + 1e-6
+    assert ms <= report.idle_ms <= report.wall_ms
+    assert "compute stream idle" in str(report) and "Sleepy: Python between ops" in str(report)
 
 
 def test_bad_arguments():

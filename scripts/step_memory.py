@@ -1,0 +1,83 @@
+"""What a column's training step holds on the GPU: allocated before the step, the allocator's peak in it, and the
+reserved peak (what ``bench --e2e`` reports: graph pools and the cache included).
+
+    PYTHONPATH=$PWD python3 scripts/step_memory.py --model Qwen3-0.6B --column 'fastft + liger, graphs' [--live]
+
+Draws three batches of the padding-free stream, trains two passes over them (graphed columns capture there),
+then measures one step on the first batch. ``--live``: also record the allocator's history in that step and
+group the step's own allocations live at its peak by their first frame outside torch. On torch 2.11 recording
+failed inside an eager column's checkpoint recompute (``SystemError``, docs/benchmarks.md, 2026-11-25, fifth
+session); graphed columns record fine.
+"""
+
+import argparse
+import collections
+
+import torch
+
+from fastft.bench import e2e
+
+p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+p.add_argument("--model", default="Qwen3-0.6B", choices=list(e2e.MODELS))
+p.add_argument("--column", default="fastft + liger", choices=list(e2e.COLUMNS))
+p.add_argument("--quant", default=None, choices=["nf4"])
+p.add_argument("--live", action="store_true", help="group the allocations live at the step's peak by source")
+args = p.parse_args()
+if not torch.cuda.is_available():
+    raise SystemExit("step_memory.py needs a GPU")
+device = torch.device("cuda")
+stream = e2e.model_stream(args.model, "padding-free", False, device)
+batches = [next(stream) for _ in range(3)]
+(model, _), restore = e2e.build(args.model, args.column, device, False, quant=args.quant)
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+
+
+def step(batch):
+    for inputs, weight in e2e.micro_batches(e2e.step_inputs(args.column, batch, args.model, False)):
+        loss = model(**inputs).loss
+        (loss if weight is None else loss * weight).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def source(frames) -> str:
+    for f in frames:
+        if "/torch/" not in f["filename"] and "<" not in f["filename"]:
+            return f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"
+    return "torch internals"
+
+
+for batch in batches * 2:
+    step(batch)
+torch.cuda.synchronize()
+torch.cuda.reset_peak_memory_stats()
+before = torch.cuda.memory_allocated()
+if args.live:
+    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+step(batches[0])
+torch.cuda.synchronize()
+gib = 2**30
+print(
+    f"{args.model}, '{args.column}'{', ' + args.quant if args.quant else ''}: allocated before the step "
+    f"{before / gib:.2f} GiB, allocated peak {torch.cuda.max_memory_allocated() / gib:.2f} GiB, reserved peak "
+    f"{torch.cuda.max_memory_reserved() / gib:.2f} GiB"
+)
+if args.live:
+    trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live, now, top, at_top = {}, 0, 0, {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], source(event.get("frames", [])))
+            now += event["size"]
+            if now > top:
+                top, at_top = now, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            now -= live.pop(event["addr"])[0]
+    print(f"  the step's own allocations live at its peak: {top / gib:.2f} GiB, by source:")
+    by_source = collections.Counter()
+    for size, where in at_top.values():
+        by_source[where] += size
+    for where, size in by_source.most_common(12):
+        print(f"    {size / 2**20:9.1f} MiB  {where}")
+restore()
