@@ -4,7 +4,7 @@ commands:
   info    the device, versions, and the backend and autotune entry of every op
   check   differential fuzzing: each op's Triton path against its torch reference on random inputs
   bench   each op's baseline against fastft; with --e2e, fine-tuning steps of transformers models
-  audit   profile one e2e training step: launches, host syncs, GPU-busy fraction, per decoder layer
+  audit   profile e2e training steps: launches, host syncs, GPU-busy fraction, why the GPU idled, per layer
   tune    measure launch parameters on this GPU and rewrite autotune_cache/<arch>.json
 
 Run python -m fastft COMMAND --help for a command's options. Without a GPU, the Triton kernels run in
@@ -449,7 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
         "'hf ep' (transformers' own)",
     )
     p.set_defaults(fn=cmd_bench, usage_error=p.error)
-    p = sub.add_parser("audit", help="profile one e2e training step: launches, host syncs, GPU-busy fraction")
+    p = sub.add_parser(
+        "audit", help="profile e2e training steps: launches, host syncs, GPU-busy fraction, why the GPU idled"
+    )
     p.add_argument(
         "--model", choices=list(MODELS), default="Qwen3-0.6B", metavar="NAME", help="one of " + ", ".join(MODELS)
     )

@@ -4,8 +4,9 @@ PEFT's LoRA forward with fp32 adapters (its default) on bf16 activations casts t
 runs two fp32 GEMMs, scales and adds an fp32 ``[tokens, out]`` tensor and casts the sum back: five passes
 over activation-sized tensors per layer and direction, around a rank-16 product. Here the adapters are
 cast instead (``r * (in + out)`` elements), the low-rank product is written first and the base GEMM adds
-onto it (``addmm_``: its epilogue's read of the rows hides behind its compute), and backward runs four thin
-GEMMs. There is no Triton kernel: the saving is in the order of operations, and cuBLAS runs every product.
+onto it (``addmm_``, without a bias: its epilogue reads the rows while the GEMM is compute-bound, 1.03x over
+eight real shapes, docs/benchmarks.md), and backward runs four thin GEMMs. There is no Triton kernel: the
+saving is in the order of operations, and cuBLAS runs every product.
 
 Numerics: the adapter path runs in the activations' dtype with the GEMMs' fp32 accumulation, so the output
 differs from the reference (``fastft.reference.lora``) by the rounding of that dtype; with fp32 inputs it
