@@ -130,6 +130,8 @@ def _check(x, weight, info, bias, activation) -> int:
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [B, T, C] or [T, C], got shape {tuple(x.shape)}")
     c = x.shape[-1]
+    if c == 0:
+        raise ValueError(f"x must have at least one channel (C >= 1), got shape {tuple(x.shape)}")
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
     if weight.dtype not in _DTYPES:
@@ -186,9 +188,9 @@ def packed_conv1d(
     ``triton`` or ``torch`` (default ``FASTFT_BACKEND``). No GPU sync.
 
     Raises ``TypeError`` for a non-tensor or non-floating x/weight/bias, a non-PackedSeqInfo ``info`` or a
-    non-str activation; ``ValueError`` for shapes (x not 2-D/3-D, weight not ``[C, W]``/``[C, 1, W]``,
-    W outside 1..8, bias not ``[C]``), ``info.num_tokens`` other than x's tokens, tensors on other devices
-    than x, an unknown activation or backend.
+    non-str activation; ``ValueError`` for shapes (x not 2-D/3-D or without channels, weight not ``[C, W]``/
+    ``[C, 1, W]``, W outside 1..8, bias not ``[C]``), ``info.num_tokens`` other than x's tokens, tensors on
+    other devices than x, an unknown activation or backend.
     """
     w = _check(x, weight, info, bias, activation)
     chosen = dispatch.backend_for(OP_CONV, x.device, backend)

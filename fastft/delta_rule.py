@@ -147,6 +147,8 @@ def _check(q, k, v, g, beta, info, scale, use_qk_l2norm, backend) -> str:
         raise ValueError(f"k must have q's shape {tuple(q.shape)} (repeat heads before the call), got {tuple(k.shape)}")
     if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"v must be [B, T, H, Dv] with q's [B, T, H] = {tuple(q.shape[:3])}, got {tuple(v.shape)}")
+    if 0 in (q.shape[2], q.shape[3], v.shape[3]):
+        raise ValueError(f"H, Dk and Dv must be >= 1, got q {tuple(q.shape)} and v {tuple(v.shape)}")
     for name, x in (("g", g), ("beta", beta)):
         if x.shape != q.shape[:3]:
             raise ValueError(f"{name} must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(x.shape)}")

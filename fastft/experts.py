@@ -191,6 +191,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tr
     _tensor("ends", ends, 1)
     if x.shape[1] != in_features:
         raise ValueError(f"x must be [N, {in_features}] (weight's in features), got {tuple(x.shape)}")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"x must have weight's dtype {weight.dtype}, got {x.dtype}")
     if ends.shape[0] != experts or ends.dtype != torch.int32:
         raise ValueError(f"ends must be [E={experts}] int32, got {tuple(ends.shape)} {ends.dtype}")
     return _grouped_linear(x, weight, ends, transposed)
@@ -265,7 +267,8 @@ def routed_experts(
     ``transposed``); ``activation`` maps ``[N, I_up]`` to ``[N, I]`` (e.g. a gate over the halves of a fused
     gate-up projection); ``up_bias`` ``[E, I_up]`` and ``down_bias`` ``[E, H_out]`` or None; ``up_lora``
     (``a`` ``[E, r, H]``, ``b`` ``[E, I_up, r]``) and ``down_lora`` (``a`` ``[E, r', I]``, ``b``
-    ``[E, H_out, r']``) ``ExpertLoRA`` or None, on ``hidden_states``' device. Differentiable in every tensor
+    ``[E, H_out, r']``) ``ExpertLoRA`` or None, on ``hidden_states``' device; ``up``, ``down``, the biases and
+    ``activation``'s output in ``hidden_states``' dtype (outside autocast). Differentiable in every tensor
     (the weights frozen or not). ``TypeError``/``ValueError`` naming the argument for anything else."""
     if not isinstance(transposed, bool):
         raise TypeError(f"transposed must be True or False, got {transposed!r}")
@@ -275,6 +278,8 @@ def routed_experts(
     _tensor("top_k_index", top_k_index, 2)
     if not hidden_states.is_floating_point():
         raise TypeError(f"hidden_states must be floating point, got {hidden_states.dtype}")
+    if top_k_index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"top_k_index must be int32 or int64, got {top_k_index.dtype}")
     tokens = hidden_states.shape[0]
     if top_k_index.shape[0] != tokens:
         raise ValueError(f"top_k_index must be [T={tokens}, K], got {tuple(top_k_index.shape)}")
@@ -282,8 +287,17 @@ def routed_experts(
         _tensor("top_k_weights", top_k_weights, 2)
         if top_k_weights.shape != top_k_index.shape:
             raise ValueError(f"top_k_weights must be [T, K]={tuple(top_k_index.shape)}, got {_shape(top_k_weights)}")
+        if not top_k_weights.is_floating_point():
+            raise TypeError(f"top_k_weights must be floating point, got {top_k_weights.dtype}")
     experts, up_in, up_out = _weights("up", up, transposed)
     down_experts, down_in, down_out = _weights("down", down, transposed)
+    if experts < 1:
+        raise ValueError(f"up and down must hold at least one expert, got up {tuple(up.shape)}")
+    # Outside autocast every product runs in hidden_states' dtype (under it, the matmuls cast).
+    autocast = torch.is_autocast_enabled(hidden_states.device.type)
+    for name, t in (("up", up), ("down", down), ("up_bias", up_bias), ("down_bias", down_bias)):
+        if isinstance(t, torch.Tensor) and t.dtype != hidden_states.dtype and not autocast:
+            raise TypeError(f"{name} must have hidden_states' dtype {hidden_states.dtype}, got {t.dtype}")
     if up_in != hidden_states.shape[1]:
         raise ValueError(f"up's in features ({up_in}) must be hidden_states' width {hidden_states.shape[1]}")
     if down_experts != experts:
@@ -306,6 +320,8 @@ def routed_experts(
     h = activation(h)
     if not isinstance(h, torch.Tensor) or h.dim() != 2 or h.shape[1] != down_in:
         raise ValueError(f"activation must return [N, {down_in}] (down's in features), got {_shape(h)}")
+    if h.dtype != down.dtype and not autocast:
+        raise TypeError(f"activation must return down's dtype {down.dtype}, got {h.dtype}")
     out = _adapted_linear(h, down, ends, transposed, down_lora)
     if down_bias is not None:
         out = out + moe_expert_rows(down_bias, routing)

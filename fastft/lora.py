@@ -93,6 +93,10 @@ def lora_linear(
     several devices or a base that requires grad.
     """
     dequantize = None
+    if isinstance(weight, torch.nn.Module):
+        raise TypeError(
+            f"weight must be a tensor or a function of no arguments returning one, got {type(weight).__name__}"
+        )
     if callable(weight) and not isinstance(weight, torch.Tensor):
         dequantize, weight = weight, weight()
     for name, t in (("x", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)) + (

@@ -67,6 +67,7 @@ autotune.register(
 autotune.register(OP_BLOCK_TABLES, autotune.Tunable({"num_warps": 4}, (32768, 131072), {"num_warps": [1, 2, 4, 8]}))
 
 _INT32_MAX = 2**31 - 1
+_MASK_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64)  # floats that hold -inf
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8) + tuple(
     getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name)
 )
@@ -159,7 +160,8 @@ def _(doc_ids, window, block_size, backend):
 
 
 def _window(window) -> int:
-    return 0 if window is None else max(int_arg("window", window), 0)
+    """0 for none; a window past any int32 token count is the same as one of ``_INT32_MAX`` keys."""
+    return 0 if window is None else min(max(int_arg("window", window), 0), _INT32_MAX)
 
 
 class PackedSeqInfo:
@@ -238,7 +240,7 @@ class PackedSeqInfo:
         """The same documents as an info of exactly ``num_seqs`` sequences, the extra ones empty at the end
         (their ``cu_seqlens`` entries repeat ``num_tokens``), with ``max_seqlen`` as the bound on their
         length: static shapes for CUDA graphs (flash's variable-length kernels do no work for an empty
-        sequence). ``out``: an int32 ``[num_seqs + 1]`` tensor on ``device`` to write ``cu_seqlens`` into,
+        sequence). ``out``: a contiguous int32 ``[num_seqs + 1]`` tensor on ``device`` to write ``cu_seqlens`` into,
         which the result reads; ``fill=False``: ``out`` holds them already (a CUDA graph's static input), no
         kernel runs. Its ``seq_lengths``, ``doc_ids`` and ``position_ids`` are derived from ``cu_seqlens``
         when first read, in this info's layout (``[B, T]`` for ``[B, T]`` position ids). Reads
@@ -263,10 +265,15 @@ class PackedSeqInfo:
             out = torch.empty(num_seqs + 1, dtype=torch.int32, device=self.device)
         elif not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a tensor or None, got {type(out).__name__}")
-        elif out.dtype != torch.int32 or tuple(out.shape) != (num_seqs + 1,) or out.device != self.device:
+        elif (
+            out.dtype != torch.int32
+            or tuple(out.shape) != (num_seqs + 1,)
+            or out.device != self.device
+            or not out.is_contiguous()
+        ):
             raise ValueError(
-                f"out must be int32 [{num_seqs + 1}] on {self.device}, "
-                f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+                f"out must be a contiguous int32 [{num_seqs + 1}] tensor on {self.device}, got {out.dtype} "
+                f"{tuple(out.shape)} on {out.device}" + ("" if out.is_contiguous() else f", strides {out.stride()}")
             )
         if fill:
             n = self.num_seqs
@@ -288,12 +295,16 @@ class PackedSeqInfo:
     def sdpa_mask(self, window: int | None = None, dtype: torch.dtype = torch.bool) -> torch.Tensor:
         """``[B, 1, T, T]`` mask for ``scaled_dot_product_attention``.
 
-        bool: True where attention is allowed; floating ``dtype``: 0 there and -inf elsewhere.
+        bool: True where attention is allowed; float16, bfloat16, float32 or float64: 0 there and -inf
+        elsewhere (``TypeError`` for other dtypes).
         ``window`` counts keys including the query itself; ``None`` or <= 0 means no window.
         """
         w = _window(window)
-        if not isinstance(dtype, torch.dtype) or not (dtype == torch.bool or dtype.is_floating_point):
-            raise TypeError(f"dtype must be torch.bool or a floating dtype, got {dtype}")
+        if dtype not in _MASK_DTYPES:
+            raise TypeError(
+                f"dtype must be torch.bool or a floating dtype that holds -inf (float16, bfloat16, "
+                f"float32, float64), got {dtype}"
+            )
         key = ("sdpa", w, dtype)
         if key not in self._memo:
             backend = dispatch.backend_for(OP_SDPA_MASK, self.device, self._backend)
@@ -392,7 +403,7 @@ def _lengths_key(name: str, value) -> tuple:
             raise ValueError(
                 f"{name} as a numpy array must be 1-D with an integer dtype, got {value.ndim}-D {value.dtype}"
             )
-        return tuple(value.tolist())
+        return _in_int64(name, tuple(value.tolist()))
     if not isinstance(value, (list, tuple)):
         raise ValueError(
             f"{name} must be a list/tuple of ints, a 1-D integer numpy array or tensor, got {type(value).__name__}"
@@ -402,7 +413,16 @@ def _lengths_key(name: str, value) -> tuple:
             raise ValueError(
                 f"{name} must be a list/tuple of ints (Python or numpy integers); it holds {type(v).__name__} {v!r}"
             )
-    return tuple(int(v) for v in value)
+    return _in_int64(name, tuple(int(v) for v in value))
+
+
+def _in_int64(name: str, values: tuple) -> tuple:
+    """``values``, or ``ValueError`` for one past int64 (the host tensors are int64; the int32 bounds are
+    checked on them)."""
+    for v in values:
+        if not -(2**63) <= v < 2**63:
+            raise ValueError(f"{name} holds {v}; cu_seqlens is int32, so at most {_INT32_MAX}")
+    return values
 
 
 def _host_ints(name: str, value) -> torch.Tensor:

@@ -149,8 +149,8 @@ def swiglu(
 
     Raises ``TypeError`` for a non-tensor or non-floating ``gate_up``, a non-bool ``interleaved``, or
     ``alpha``/``limit``/``up_shift`` that are not numbers; ``ValueError`` for a 0-d ``gate_up`` or an odd
-    last dim, a non-finite ``alpha`` or ``up_shift``, a ``limit`` that is not finite and > 0, an unknown
-    backend.
+    last dim, a non-finite ``alpha`` or ``up_shift``, a ``limit`` that is not in ``(0, float32's max]``, an
+    unknown backend.
     """
     if not isinstance(gate_up, torch.Tensor):
         raise TypeError(f"gate_up must be a tensor, got {type(gate_up).__name__}")
@@ -163,10 +163,12 @@ def swiglu(
     up_shift = _finite("up_shift", up_shift)
     if limit is not None:
         limit = _finite("limit", limit)
-        if limit <= 0:
-            raise ValueError(f"limit must be None or > 0, got {limit}")
+        if not 0 < limit <= torch.finfo(torch.float32).max:  # the clamp runs in fp32
+            raise ValueError(f"limit must be None or in (0, float32's max], got {limit}")
     chosen = dispatch.backend_for(OP_SWIGLU, gate_up.device, backend)
     two_w = gate_up.shape[-1]
+    if two_w == 0:  # W = 0: an empty [..., 0], still connected to gate_up
+        return gate_up[..., :0].clone()
     x = gate_up.reshape(-1, two_w)
     if two_w > 1 and x.stride(1) != 1:
         x = x.contiguous()

@@ -41,7 +41,10 @@ __all__ = [
 
 
 def _first_mismatch(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float):
-    if a.is_floating_point() or b.is_floating_point():
+    if a.is_complex() or b.is_complex():
+        a, b = a.resolve_conj().resolve_neg(), b.resolve_conj().resolve_neg()
+        same = (a.to(torch.complex128) - b.to(torch.complex128)).abs() <= atol + rtol * b.to(torch.complex128).abs()
+    elif a.is_floating_point() or b.is_floating_point():
         same = torch.isclose(a.double(), b.double(), atol=atol, rtol=rtol, equal_nan=False)
     else:
         same = a == b
@@ -54,8 +57,9 @@ def _first_mismatch(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float):
 def assert_same(actual, expected, *, atol: float = 0.0, rtol: float = 0.0, path: str = "output") -> None:
     """Raise ``AssertionError`` naming the first differing element of two nested results.
 
-    Tensors must agree in shape and dtype, integers and bools exactly, floats within ``atol + rtol*|expected|``
-    (NaN never matches). Lists, tuples, dicts and dataclasses are compared field by field.
+    Tensors must agree in shape and dtype, integers and bools exactly, floats (and complex numbers, by the
+    modulus of the difference) within ``atol + rtol*|expected|`` (NaN never matches). Lists, tuples, dicts
+    and dataclasses are compared field by field.
     """
     if isinstance(expected, torch.Tensor):
         if not isinstance(actual, torch.Tensor):
@@ -83,8 +87,11 @@ def assert_same(actual, expected, *, atol: float = 0.0, rtol: float = 0.0, path:
             raise AssertionError(f"{path}: length {len(actual)} != {len(expected)}")
         for i, (x, y) in enumerate(zip(actual, expected)):
             assert_same(x, y, atol=atol, rtol=rtol, path=f"{path}[{i}]")
-    elif isinstance(expected, float) and not (math.isclose(actual, expected, rel_tol=rtol, abs_tol=atol)):
-        raise AssertionError(f"{path}: {actual} != {expected}")
+    elif isinstance(expected, float):
+        if isinstance(actual, bool) or not isinstance(actual, (int, float)):
+            raise AssertionError(f"{path}: expected a number, got {type(actual).__name__}")
+        if not abs(actual - expected) <= atol + rtol * abs(expected):  # NaN never matches
+            raise AssertionError(f"{path}: {actual} != {expected}")
     elif actual != expected:
         raise AssertionError(f"{path}: {actual!r} != {expected!r}")
 

@@ -170,6 +170,7 @@ def _bad_cases():
         (dict(ok, activation="gelu"), ValueError, "activation must be one of"),
         (dict(ok, activation=True), TypeError, "activation must be None or a str"),
         (dict(ok, backend="cuda"), ValueError, "backend must be one of"),
+        (dict(ok, x=torch.zeros(10, 0), weight=torch.zeros(0, 4)), ValueError, r"at least one channel \(C >= 1\)"),
     ]
 
 

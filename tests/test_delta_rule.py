@@ -106,7 +106,7 @@ def check_against_reference(info, inputs, c, backend, *, scale=None, use_qk_l2no
     assert_close_to(out, expected, "o")
     if out.numel() == 0:
         return
-    w = torch.randn_like(out)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(out.numel())).to(out)  # replayable with the case
     got = torch.autograd.grad((out * w).sum(), inputs)
     want = torch.autograd.grad((expected * w).sum(), inputs)
     for name, a, e in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
@@ -354,6 +354,8 @@ def _args(**changes):
         (dict(chunk_size=512), ValueError, "chunk_size must be an int from 1 to 256"),
         (dict(chunk_size=16.0), TypeError, "chunk_size must be an int"),
         (dict(scale="0.5"), TypeError, "scale must be a number"),
+        (dict(q=torch.zeros(1, 6, 2, 0), k=torch.zeros(1, 6, 2, 0)), ValueError, "H, Dk and Dv must be >= 1"),
+        (dict(v=torch.zeros(1, 6, 2, 0)), ValueError, "H, Dk and Dv must be >= 1"),
         (dict(use_qk_l2norm=1), TypeError, "use_qk_l2norm must be a bool"),
         (dict(backend="cuda"), ValueError, "backend must be one of"),
     ],
@@ -420,7 +422,7 @@ def test_real_sizes_bf16_against_fp32(backend):
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     info = fastft.packed_seq_info(seq_lengths=lengths, device=device)
     inputs = random_inputs(torch.Generator().manual_seed(0), 1, t, 32, 128, 128, device, torch.bfloat16)
-    w = torch.randn(1, t, 32, 128, device=device)
+    w = torch.randn(1, t, 32, 128, generator=torch.Generator().manual_seed(1)).to(device)
 
     def per_doc(xs):
         return torch.cat(

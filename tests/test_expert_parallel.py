@@ -111,8 +111,8 @@ def worker(rank, init, out, seed):
     exit_spawned_worker()
 
 
-def test_matches_dense(tmp_path):
-    seed = int(torch.randint(0, 2**31, ()))
+def test_matches_dense(tmp_path, rng):
+    seed = int(torch.randint(0, 2**31, (), generator=rng))  # the fixture prints its own seed on failure
     out = str(tmp_path / "out")
     mp.spawn(worker, args=(str(tmp_path / "init"), out, seed), nprocs=WORLD)
     results = [torch.load(f"{out}.{r}") for r in range(WORLD)]

@@ -262,6 +262,25 @@ def test_errors():
         experts.grouped_linear(x, up, torch.tensor([1, 5, 5]).int(), False)
     with pytest.raises(ValueError, match=r"ends must be ascending row ends in \[0, 4\]"):
         experts.grouped_linear(x, up, torch.tensor([3, 2, 4]).int(), False)
+    ends = torch.tensor([1, 2, 4]).int()
+    for bad in (x.double(), x.long()):
+        with pytest.raises(TypeError, match="x must have weight's dtype torch.float32"):
+            experts.grouped_linear(bad, up, ends, False)
+    # dtypes and empty expert sets, named as routed_experts' own arguments
+    with pytest.raises(TypeError, match="top_k_index must be int32 or int64, got torch.float32"):
+        experts.routed_experts(x, ids.float(), w, up, down, **ok)
+    with pytest.raises(TypeError, match="top_k_weights must be floating point"):
+        experts.routed_experts(x, ids, w.long(), up, down, **ok)
+    with pytest.raises(ValueError, match="at least one expert"):
+        experts.routed_experts(x, ids, w, up[:0], down[:0], **ok)
+    with pytest.raises(TypeError, match="up must have hidden_states' dtype torch.bfloat16"):
+        experts.routed_experts(x.bfloat16(), ids, w, up, down, **ok)
+    with pytest.raises(TypeError, match="down must have hidden_states' dtype torch.float32, got torch.float64"):
+        experts.routed_experts(x, ids, w, up, down.double(), **ok)
+    with pytest.raises(TypeError, match="up_bias must have hidden_states' dtype"):
+        experts.routed_experts(x, ids, w, up, down, **ok, up_bias=torch.zeros(3, 6, dtype=torch.float64))
+    with pytest.raises(TypeError, match="activation must return down's dtype torch.float32, got torch.float64"):
+        experts.routed_experts(x, ids, w, up, down, transposed=False, activation=lambda h: h.double())
 
 
 def test_lora_errors():

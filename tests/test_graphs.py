@@ -100,6 +100,8 @@ def run(blocks, embed, lengths, checkpoint, seed=1, **kwargs):
 def assert_close(a, b, dtype):
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(a, b, **tol)
+    if dtype != torch.float32 and b.float().norm() > 0:  # bf16's atol is near tiny gradients: bound the norm too
+        assert float((a.float() - b.float()).norm() / b.float().norm()) <= 0.1
 
 
 def test_matches_offloaded_checkpoint_and_reuses_graphs(where):
@@ -317,7 +319,7 @@ def test_padded_info(rng):
         info.padded(4, 8)
     with pytest.raises(ValueError, match="max_seqlen=19 must be"):
         info.padded(4, 19)
-    with pytest.raises(ValueError, match=r"out must be int32 \[5\]"):
+    with pytest.raises(ValueError, match=r"out must be a contiguous int32 \[5\]"):
         info.padded(4, 9, out=torch.zeros(5, dtype=torch.int64))
     with pytest.raises(ValueError, match="fill=False needs out"):
         info.padded(4, 9, fill=False)

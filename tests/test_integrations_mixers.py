@@ -74,17 +74,22 @@ def test_a_supported_class_whose_calls_changed_is_refused(monkeypatch):
         apply(model)
 
 
-def tiny(model_type: str, **fields):
+def tiny(model_type: str, rng=None, **fields):
+    """A tiny model of the family, its weights drawn from a seed taken from ``rng`` (the test's, whose seed is
+    printed on failure; 0 without one), whatever ran before."""
     common = dict(
         vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16,
     )  # fmt: skip
     config = transformers.AutoConfig.for_model(model_type, **{**common, **fields})
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # convolutions wide enough that a leak shows well above the tolerance
-        for module in model.modules():
-            if isinstance(module, torch.nn.Conv1d):
-                module.weight.normal_(0, 0.5)
+    seed = int(torch.randint(2**31, (), generator=rng)) if rng is not None else 0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():  # convolutions wide enough that a leak shows well above the tolerance
+            for module in model.modules():
+                if isinstance(module, torch.nn.Conv1d):
+                    module.weight.normal_(0, 0.5)
     return model
 
 
@@ -209,7 +214,7 @@ def step(model, ids, pos):
 )
 def test_packed_equals_each_document_alone(model_type, graphs, rng):
     """Forward and every gradient of a packed row equal those of its documents run one by one."""
-    model = tiny(model_type, **HYBRIDS[model_type]).train()
+    model = tiny(model_type, rng, **HYBRIDS[model_type]).train()
     patched = patch_counts()
     ids, pos, lengths = documents(rng, model.config.vocab_size)
     stock_logits, _ = step(model, ids, pos)
@@ -246,12 +251,12 @@ def model_state_records(model) -> set:
 def test_another_model_of_the_family_keeps_transformers_path(rng):
     """fastft replaces functions of the family's modeling module: a model without fastft still runs them as
     transformers wrote them (leaking, as stock does), before and after revert of the one with fastft."""
-    plain = tiny("qwen3_5_text", **HYBRIDS["qwen3_5_text"])
+    plain = tiny("qwen3_5_text", rng, **HYBRIDS["qwen3_5_text"])
     ids, pos, _ = documents(rng, plain.config.vocab_size)
     patched = patch_counts()
     with torch.no_grad():
         expected = plain(input_ids=ids, position_ids=pos, use_cache=False).logits
-        fast = apply(tiny("qwen3_5_text", **HYBRIDS["qwen3_5_text"]), offload_checkpointing=False)
+        fast = apply(tiny("qwen3_5_text", rng, **HYBRIDS["qwen3_5_text"]), offload_checkpointing=False)
         torch.testing.assert_close(plain(input_ids=ids, position_ids=pos, use_cache=False).logits, expected)
         fast(input_ids=ids, position_ids=pos, use_cache=False)
         revert(fast)

@@ -10,12 +10,12 @@ from fastft.lora import lora_linear
 GPU = torch.cuda.is_available()
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("case", range(6))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_reference(seed, dtype, rng):
+def test_matches_reference(case, dtype, rng):
     g = rng
     device = "cuda" if GPU and dtype == torch.bfloat16 else "cpu"
-    args = checks.random_lora_case(g, dtype=dtype, device=device, bias=seed % 2 == 0)
+    args = checks.random_lora_case(g, dtype=dtype, device=device, bias=case % 2 == 0)  # both GEMM orders
     grad = torch.randn(args[0].shape[:-1] + (args[1].shape[0],), generator=g).to(device, dtype)
     checks.check_lora_case(*args, grad)
 
@@ -76,6 +76,10 @@ def test_errors():
         lora_linear(x, w, torch.randn(4), a, b, 1.0)
     with pytest.raises(TypeError, match="x's dtype"):
         lora_linear(x, w.double(), None, a, b, 1.0)
+    with pytest.raises(
+        TypeError, match="weight must be a tensor or a function of no arguments returning one, got Linear"
+    ):
+        lora_linear(x, torch.nn.Linear(8, 5), None, a, b, 1.0)
     with pytest.raises(ValueError, match="frozen base layer"):
         lora_linear(x, w.requires_grad_(), None, a, b, 1.0)
     with pytest.raises(TypeError, match="scaling must be a number"):

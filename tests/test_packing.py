@@ -151,8 +151,17 @@ def test_differential_reports_first_mismatch():
     with pytest.raises(AssertionError, match="shape/dtype"):
         testing.assert_same(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64))
     testing.assert_same(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.001]), atol=0.01)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=r"output\[0\]: nan != nan"):
         testing.assert_same(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
+    # Python floats: within atol + rtol * |expected|, NaN never, and a non-number is no match
+    testing.assert_same({"loss": 1.0005, "n": 3}, {"loss": 1.0, "n": 3}, atol=0.01)
+    testing.assert_same(2.02, 2.0, rtol=0.011)
+    with pytest.raises(AssertionError, match=r"output\['loss'\]: 1.05 != 1.0"):
+        testing.assert_same({"loss": 1.05}, {"loss": 1.0}, atol=0.01)
+    with pytest.raises(AssertionError, match="nan != nan"):
+        testing.assert_same(float("nan"), float("nan"), atol=1.0)
+    with pytest.raises(AssertionError, match="expected a number, got str"):
+        testing.assert_same("1.0", 1.0, atol=1.0)
 
 
 # ---- the public API --------------------------------------------------------------------------------------
@@ -270,6 +279,20 @@ def test_bad_mask_arguments():
         info.sdpa_mask(dtype=torch.int32)
     with pytest.raises(TypeError, match="window must be an int"):
         info.sdpa_mask(window=2.5)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # no -inf, or none the torch path can fill
+        with pytest.raises(TypeError, match="floating dtype that holds -inf"):
+            info.sdpa_mask(dtype=dtype)
+    assert torch.equal(info.sdpa_mask(window=10**20), info.sdpa_mask())  # past int32: no window at all
+    with pytest.raises(ValueError, match=r"out must be a contiguous int32 \[4\] tensor on cpu.*strides \(2,\)"):
+        info.padded(3, 3, out=torch.zeros(8, dtype=torch.int32)[::2])
+    for kwargs, name in (  # past int64 too: not an overflow error from deep inside torch
+        (dict(seq_lengths=[2**70]), "seq_lengths"),
+        (dict(cu_seqlens=[0, 2**64]), "cu_seqlens"),
+        (dict(seq_lengths=np.array([2**63], dtype=np.uint64)), "seq_lengths"),
+        (dict(seq_lengths=torch.tensor([2**40, 3])), "seq_lengths"),
+    ):
+        with pytest.raises(ValueError, match=f"{name} holds .*; cu_seqlens is int32"):
+            fastft.packed_seq_info(**kwargs)
     with pytest.raises(ValueError, match="block_size must be an int >= 1"):
         info.flex_block_mask(block_size=0)
 

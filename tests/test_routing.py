@@ -109,13 +109,13 @@ def test_edge_shapes(device, tokens, top_k, num_experts, block_size, rng):
     g = rng
     case = checks.random_routing_case(g, device, 8)
     ids = testing.random_topk_ids(g, tokens, top_k, num_experts).to(device)
-    x = torch.randn(tokens, 24, device=device)
+    x = torch.randn(tokens, 24, generator=g).to(device)
     case.update(
         topk_ids=ids,
         options={"num_experts": num_experts, "block_size": block_size},
         x=x,
-        weights=torch.rand(tokens, top_k, device=device),
-        table=torch.randn(num_experts, 3, device=device),
+        weights=torch.rand(tokens, top_k, generator=g).to(device),
+        table=torch.randn(num_experts, 3, generator=g).to(device),
     )
     checks.check_routing_case(case)
 
@@ -135,9 +135,9 @@ def test_gradients_match_autograd_of_plain_torch(device, rng):
     g = rng
     ids = testing.random_topk_ids(g, 23, 3, 6).to(device)
     r = fastft.moe_route(ids, 6, block_size=4)
-    x = torch.randn(23, 7, device=device, requires_grad=True)
-    w = torch.rand(23, 3, device=device, requires_grad=True)
-    bias = torch.randn(6, 7, device=device, requires_grad=True)
+    x = torch.randn(23, 7, generator=g).to(device).requires_grad_()
+    w = torch.rand(23, 3, generator=g).to(device).requires_grad_()
+    bias = torch.randn(6, 7, generator=g).to(device).requires_grad_()
 
     def plain(x, w, bias):
         used = (r.sorted_pair >= 0)[:, None]
@@ -151,7 +151,7 @@ def test_gradients_match_autograd_of_plain_torch(device, rng):
         ys = fastft.moe_permute(x, r, backend=backend) * 2 + fastft.moe_expert_rows(bias, r, backend=backend)
         return fastft.moe_unpermute(ys, r, w, backend=backend)
 
-    dy = torch.randn(23, 7, device=device)
+    dy = torch.randn(23, 7, generator=g).to(device)
     expected = torch.autograd.grad(plain(x, w, bias), (x, w, bias), dy)
     for backend in ("torch", "triton"):
         got = torch.autograd.grad(ours(x, w, bias, backend), (x, w, bias), dy)
@@ -327,10 +327,10 @@ def test_custom_ops_pass_opcheck(device, backend, rng):
     g = rng
     ids = testing.random_topk_ids(g, 12, 2, 5).to(device)
     r = fastft.moe_route(ids, 5, block_size=2, backend=backend)
-    x = torch.randn(12, 6, device=device, requires_grad=True)
-    ys = torch.randn(r.capacity, 6, device=device, requires_grad=True)
-    w = torch.rand(12, 2, device=device, requires_grad=True)
-    table = torch.randn(5, 3, device=device, requires_grad=True)
+    x = torch.randn(12, 6, generator=g).to(device).requires_grad_()
+    ys = torch.randn(r.capacity, 6, generator=g).to(device).requires_grad_()
+    w = torch.rand(12, 2, generator=g).to(device).requires_grad_()
+    table = torch.randn(5, 3, generator=g).to(device).requires_grad_()
     cases = [
         (routing.route_op, (ids, 5, 2, None, 5, backend)),
         (routing.permute_op, (x, r.sorted_pair, r.inverse, backend)),

@@ -19,13 +19,13 @@ def test_model_shapes_match_reference(name, block_size, rng):
     g = rng
     case = checks.random_routing_case(g, "cuda", 8)
     ids = router_ids(16384, experts, top_k, "cuda", seed=int(torch.randint(0, 2**31, (1,), generator=g)))
-    ids[torch.rand(ids.shape, device="cuda") < 0.01] = -1  # a few dropped pairs
+    ids[(torch.rand(ids.shape, generator=g) < 0.01).cuda()] = -1  # a few dropped pairs
     case.update(
         topk_ids=ids,
         options={"num_experts": experts, "block_size": block_size},
-        x=torch.randn(16384, hidden // 8, device="cuda", dtype=torch.bfloat16),
-        weights=torch.rand(16384, top_k, device="cuda"),
-        table=torch.randn(experts, 64, device="cuda", dtype=torch.bfloat16),
+        x=torch.randn(16384, hidden // 8, generator=g).to("cuda", torch.bfloat16),
+        weights=torch.rand(16384, top_k, generator=g).cuda(),
+        table=torch.randn(experts, 64, generator=g).to("cuda", torch.bfloat16),
     )
     checks.check_routing_case(case)
 
@@ -45,9 +45,9 @@ def test_expert_parallel_map(rng):
     case.update(
         topk_ids=ids,
         options={"num_experts": 256, "block_size": 64, "expert_map": emap.cuda(), "num_local_experts": 32},
-        x=torch.randn(8192, 96, device="cuda"),
-        weights=torch.rand(8192, 8, device="cuda"),
-        table=torch.randn(32, 16, device="cuda"),
+        x=torch.randn(8192, 96, generator=g).cuda(),
+        weights=torch.rand(8192, 8, generator=g).cuda(),
+        table=torch.randn(32, 16, generator=g).cuda(),
     )
     checks.check_routing_case(case)
 

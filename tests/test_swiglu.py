@@ -72,7 +72,7 @@ def test_matches_reference(backend, device, rows, width, interleaved, alpha, lim
 def test_clamp_bounds_pass_gradient_as_torch_clamp(backend, device, rng):
     """Entries at the bounds keep their gradient, those beyond get none (torch.clamp's rule)."""
     limit = 2.0
-    gate = torch.tensor([-3.0, 1.0, 2.0, 2.5, 9.0, 0.0])
+    gate = torch.tensor([-3.0, 1.0, 2.0, 2.5, 9.0, 0.5])  # the last up's gradient is zero by its clamp alone
     up = torch.tensor([-2.5, -2.0, 0.5, 2.0, 3.0, -9.0])
     x = torch.stack([gate, up], dim=-1).reshape(1, -1).to(device).requires_grad_()  # interleaved
     _check(x, backend, rng, interleaved=True, alpha=1.702, limit=limit, up_shift=1.0)
@@ -127,13 +127,23 @@ def test_checks_arguments(device):
         fastft.swiglu(x, alpha=float("nan"))
     with pytest.raises(TypeError, match="up_shift must be a number"):
         fastft.swiglu(x, up_shift="1")
-    for bad in (0.0, -1.0):
-        with pytest.raises(ValueError, match="limit must be None or > 0"):
+    for bad in (0.0, -1.0, 1e39):  # the clamp runs in fp32: a larger limit cannot be represented
+        with pytest.raises(ValueError, match=r"limit must be None or in \(0, float32's max\]"):
             fastft.swiglu(x, limit=bad)
     with pytest.raises(ValueError, match="limit must be finite"):
         fastft.swiglu(x, limit=float("inf"))
     with pytest.raises(ValueError, match="backend must be one of"):
         fastft.swiglu(x, backend="cuda")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("shape", [(3, 0), (0,), (2, 3, 0), (0, 4)])
+def test_empty(backend, device, shape):
+    x = torch.zeros(shape, device=device, requires_grad=True)
+    out = fastft.swiglu(x, backend=backend)
+    assert out.shape == shape[:-1] + (shape[-1] // 2,) and out.dtype == x.dtype
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == shape
 
 
 @pytest.mark.gpu
