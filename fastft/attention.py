@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 
 import torch
 import torch.nn.functional as F
@@ -216,8 +217,8 @@ def _check(q, k, v, info, window, sinks, scale, dropout_p, impl) -> None:
             raise ValueError(
                 f"sinks must be [H={q.shape[-2]}] on {q.device}, got {tuple(sinks.shape)} on {sinks.device}"
             )
-    if scale is not None:
-        number_arg("scale", scale)
+    if scale is not None and not math.isfinite(number_arg("scale", scale)):
+        raise ValueError(f"scale must be finite, got {scale!r}")
     if not 0 <= number_arg("dropout_p", dropout_p) < 1:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     if impl is not None and impl not in IMPLS:

@@ -24,6 +24,8 @@ import heapq
 
 import torch
 
+from ._checks import is_int
+
 _SUBMIT = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy", "cudaMemset", "hipLaunch", "hipMemcpy")
 _SYNC = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "hipStreamSynchronize")
 _STEP, _WAIT, _LAYER = "fastft.audit step", "fastft.audit drain", "fastft.audit layer "
@@ -239,10 +241,11 @@ def audit(step, *, model=None, layers=(), steps: int = 3, warmup: int = 1, top: 
         raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
     layers = _layers_arg(layers)
     for name, value, low in (("steps", steps, 1), ("warmup", warmup, 0), ("top", top, 1)):
-        if not isinstance(value, int) or isinstance(value, bool):
+        if not is_int(value):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if value < low:
             raise ValueError(f"{name} must be >= {low}, got {value}")
+    steps, warmup, top = int(steps), int(warmup), int(top)
     cuda = torch.cuda.is_available()
     for _ in range(warmup):
         step()

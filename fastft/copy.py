@@ -87,12 +87,13 @@ def _check_tensors(tensors, name: str) -> list[torch.Tensor]:
 
 
 def _copy(src: torch.Tensor, dst: torch.Tensor, op: str, backend: str) -> None:
-    if backend == "triton":
+    lazy = src.is_conj() or src.is_neg() or dst.is_conj() or dst.is_neg()  # views whose values torch resolves
+    if backend == "triton" and not lazy:
         from .kernels import copy as kernels
 
         if kernels.strided_copy(src, dst, **autotune.params(op, src.device, src.numel() * src.element_size())):
             return
-    dst.copy_(src)  # torch backend, or more dimensions than the kernel takes
+    dst.copy_(src)  # torch backend, conjugate or negative views, or more dimensions than the kernel takes
 
 
 def pack(tensors, *, out: torch.Tensor | None = None, backend: str | None = None) -> tuple[torch.Tensor, PackLayout]:

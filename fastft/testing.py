@@ -186,6 +186,7 @@ COPY_DTYPES = (
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """``t`` reinterpreted as same-width integers: compares every dtype bit for bit (NaN payloads included)."""
+    t = t.resolve_conj().resolve_neg()  # the values a lazy view reads, not its base's
     if t.is_complex():
         t = torch.view_as_real(t)
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])

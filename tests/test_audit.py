@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -122,6 +123,9 @@ def test_bad_arguments():
         audit(lambda: None, steps=0)
     with pytest.raises(TypeError, match="warmup must be an int"):
         audit(lambda: None, warmup=1.0)
+    with pytest.raises(TypeError, match="steps must be an int"):
+        audit(lambda: None, steps=True)
+    assert audit(lambda: None, steps=np.int64(2), warmup=np.int64(0)).steps == 2  # numpy ints, as elsewhere
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         audit(lambda: None, model="llama")
     with pytest.raises(TypeError, match="layers must be an iterable of torch.nn.Module"):

@@ -50,6 +50,20 @@ def test_more_dims_than_the_kernel_takes_still_copy(device):
     checks.check_copy_case([t], backend="triton")
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_conjugate_and_negative_views_copy_their_values(device, backend, rng):
+    c = torch.randn(5, 3, dtype=torch.complex64, generator=rng).to(device)
+    x = torch.randn(4, 2, generator=rng).to(device)
+    lazy = [c.conj(), torch._neg_view(x), c.t().conj()]
+    buf, layout = copy.pack(lazy, backend=backend)
+    for got, want in zip(copy.unpack(buf, layout, backend=backend), lazy):
+        assert torch.equal(got, want.resolve_conj().resolve_neg())
+    out = [torch.zeros_like(c).conj(), torch._neg_view(torch.zeros_like(x)), torch.zeros_like(c).t().conj()]
+    copy.unpack(buf, layout, out=out, backend=backend)  # into views: each reads back the packed values
+    for got, want in zip(out, lazy):
+        assert torch.equal(got.resolve_conj().resolve_neg(), want.resolve_conj().resolve_neg())
+
+
 def test_merged_dims():
     t = torch.empty(4, 5, 6)
     assert kernels.merged_dims(t.shape, t.stride(), t.stride()) == [(120, 1, 1)]

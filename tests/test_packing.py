@@ -153,6 +153,11 @@ def test_differential_reports_first_mismatch():
     testing.assert_same(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.001]), atol=0.01)
     with pytest.raises(AssertionError, match=r"output\[0\]: nan != nan"):
         testing.assert_same(torch.tensor([float("nan")]), torch.tensor([float("nan")]))
+    c = torch.tensor([1 + 2j, 3 - 1j])
+    assert torch.equal(testing.bits(c.conj()), testing.bits(torch.tensor([1 - 2j, 3 + 1j])))  # the view's values
+    testing.assert_same(torch.tensor([1 + 1j]), torch.tensor([1 + 1.0000001j]), atol=1e-3)  # complex: |difference|
+    with pytest.raises(AssertionError, match="1 elements differ"):
+        testing.assert_same(torch.tensor([1 + 1j]), torch.tensor([1 + 1.1j]), atol=1e-3)
     # Python floats: within atol + rtol * |expected|, NaN never, and a non-number is no match
     testing.assert_same({"loss": 1.0005, "n": 3}, {"loss": 1.0, "n": 3}, atol=0.01)
     testing.assert_same(2.02, 2.0, rtol=0.011)
