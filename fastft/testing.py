@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import numbers
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -88,7 +90,7 @@ def assert_same(actual, expected, *, atol: float = 0.0, rtol: float = 0.0, path:
         for i, (x, y) in enumerate(zip(actual, expected)):
             assert_same(x, y, atol=atol, rtol=rtol, path=f"{path}[{i}]")
     elif isinstance(expected, float):
-        if isinstance(actual, bool) or not isinstance(actual, (int, float)):
+        if isinstance(actual, (bool, np.bool_)) or not isinstance(actual, numbers.Real):
             raise AssertionError(f"{path}: expected a number, got {type(actual).__name__}")
         if not abs(actual - expected) <= atol + rtol * abs(expected):  # NaN never matches
             raise AssertionError(f"{path}: {actual} != {expected}")

@@ -161,6 +161,7 @@ def test_differential_reports_first_mismatch():
     # Python floats: within atol + rtol * |expected|, NaN never, and a non-number is no match
     testing.assert_same({"loss": 1.0005, "n": 3}, {"loss": 1.0, "n": 3}, atol=0.01)
     testing.assert_same(2.02, 2.0, rtol=0.011)
+    testing.assert_same(np.float32(0.5), 0.5)  # numpy scalars are numbers too
     with pytest.raises(AssertionError, match=r"output\['loss'\]: 1.05 != 1.0"):
         testing.assert_same({"loss": 1.05}, {"loss": 1.0}, atol=0.01)
     with pytest.raises(AssertionError, match="nan != nan"):
