@@ -269,12 +269,7 @@ def cmd_audit(args) -> int:
     opt = torch.optim.AdamW(params, lr=1e-5)
 
     def step():  # each call trains on the next batch (padded columns: its micro-batches)
-        step_inputs = e2e.step_inputs(args.column, next(batches), args.model, tiny, args.host_lengths)
-        for inputs, weight in e2e.micro_batches(step_inputs):
-            loss = model(**inputs).loss
-            (loss if weight is None else loss * weight).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        e2e.train_step(model, opt, e2e.step_inputs(args.column, next(batches), args.model, tiny, args.host_lengths))
 
     try:
         lengths = ", boundaries as host cu_seq_lens_q" if args.host_lengths else ""

@@ -214,10 +214,9 @@ def grouped_lowrank_add(
     ``y``: ``[N, out]`` floating; ``u``: ``[N, r]`` floating; ``v``: ``[E, r, out]`` in ``u``'s dtype, any
     strides; ``ends``: ``[E]`` int32 ascending row ends, at most ``N`` (``MoERouting.offsets[1:]``); all on
     one device. Not differentiable: the result carries no gradient (``routed_experts`` writes its backward
-    out). ``backend``: ``auto``,
-    ``triton`` or ``torch``. ``TypeError``/``ValueError`` naming the argument for anything else; ``ends`` is
-    not read on the host, so its order and bound are the caller's promise (a row past ``ends[-1]`` is left
-    as ``y``'s)."""
+    out). ``backend``: ``auto``, ``triton`` or ``torch``. ``TypeError``/``ValueError`` naming the argument
+    for anything else; ``ends`` is not read on the host, so its order and bound are the caller's promise (a
+    row past ``ends[-1]`` is left as ``y``'s)."""
     for name, t, dim in (("y", y, 2), ("u", u, 2), ("v", v, 3), ("ends", ends, 1)):
         _tensor(name, t, dim)
         if t.device != y.device:

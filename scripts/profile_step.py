@@ -32,11 +32,7 @@ def main() -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
     def step():
-        for inputs, weight in e2e.micro_batches(e2e.step_inputs(args.column, next(batches), args.model, False, True)):
-            loss = model(**inputs).loss
-            (loss if weight is None else loss * weight).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        e2e.train_step(model, opt, e2e.step_inputs(args.column, next(batches), args.model, False, True))
 
     step()
     step()

@@ -33,11 +33,7 @@ opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1
 
 
 def step(batch):
-    for inputs, weight in e2e.micro_batches(e2e.step_inputs(args.column, batch, args.model, False)):
-        loss = model(**inputs).loss
-        (loss if weight is None else loss * weight).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    e2e.train_step(model, opt, e2e.step_inputs(args.column, batch, args.model, False))
 
 
 def source(frames) -> str:

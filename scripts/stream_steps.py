@@ -6,7 +6,6 @@ shows nothing until the column is done.
 """
 
 import argparse
-import sys
 import time
 
 import torch
@@ -28,14 +27,8 @@ opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1
 start = time.perf_counter()
 for i in range(args.steps):
     t = time.perf_counter()
-    for inputs, weight in e2e.micro_batches(e2e.step_inputs(args.column, next(stream), args.model, False)):
-        loss = model(**inputs).loss
-        (loss if weight is None else loss * weight).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    value = loss.item()
-    utils = sys.modules.get("torch._dynamo.utils")
-    graphs = int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
+    value = e2e.train_step(model, opt, e2e.step_inputs(args.column, next(stream), args.model, False)).item()
+    graphs = e2e.compiled_graphs()
     print(
         f"step {i}: {time.perf_counter() - t:.2f} s (total {time.perf_counter() - start:.0f} s), loss {value:.4f}, "
         f"compiled graphs {graphs}, peak {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB",

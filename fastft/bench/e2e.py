@@ -188,10 +188,25 @@ class Steps:
     prime_s: float = 0.0  # wall time of the first pass (``train_primed``) before these steps; 0 without one
 
 
-def _compiled_graphs() -> int:
+def compiled_graphs() -> int:
     """Graphs torch.compile has compiled in this process (none before anything imported dynamo)."""
     utils = sys.modules.get("torch._dynamo.utils")
     return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
+
+
+def train_step(model, opt, batch) -> torch.Tensor:
+    """One optimizer step on ``batch`` (a model-input dict, or micro-batches from ``step_inputs``, their
+    losses weighted and accumulated); the step's loss, detached and not read (no sync)."""
+    loss = None
+    for part, weight in micro_batches(batch):
+        part_loss = model(**part).loss
+        if weight is not None:
+            part_loss = part_loss * weight
+        part_loss.backward()
+        loss = part_loss.detach() if loss is None else loss + part_loss.detach()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
 
 
 def train(model, inputs, warmup: int, device, lr: float = 1e-5) -> Steps:
@@ -208,22 +223,13 @@ def train(model, inputs, warmup: int, device, lr: float = 1e-5) -> Steps:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # the peak reserved counts what the timed steps hold, not the first steps' cache
             torch.cuda.reset_peak_memory_stats()
-        compiled, captured = _compiled_graphs(), capture_count()
+        compiled, captured = compiled_graphs(), capture_count()
         start = time.perf_counter()
-        loss = None
-        for part, weight in micro_batches(batch):
-            part_loss = model(**part).loss
-            if weight is not None:
-                part_loss = part_loss * weight
-            part_loss.backward()
-            loss = part_loss.detach() if loss is None else loss + part_loss.detach()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())  # read each step, as a logging loop does
+        losses.append(train_step(model, opt, batch).item())  # read each step, as a logging loop does
         if cuda:
             torch.cuda.synchronize()  # work on other streams (offload copies) counts in its step
         seconds.append(time.perf_counter() - start)
-        compiles.append(_compiled_graphs() - compiled)
+        compiles.append(compiled_graphs() - compiled)
         captures.append(capture_count() - captured)
     peak = torch.cuda.max_memory_reserved() if cuda else -1  # what the process holds: CUDA graph pools included
     return Steps(losses, seconds, compiles, captures, peak)
