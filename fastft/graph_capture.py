@@ -11,6 +11,7 @@ is the autograd Function around the two replays.
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 from torch.utils import _pytree as pytree
@@ -72,6 +73,20 @@ def _aliased(module, aliases: dict):
 
 def _rng_state(device: torch.device) -> torch.Tensor:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off: collected mid-capture, a dropped model's CUDA graphs would be
+    destroyed inside the capture, which CUDA refuses, and the capture fails (torch 2.11 no longer collects
+    before a capture). The garbage goes at the next collection after it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def capture(module, target, spec, leaves, statics, device) -> Graphs:
@@ -157,8 +172,9 @@ def capture(module, target, spec, leaves, statics, device) -> Graphs:
                     buf.copy_(g)
 
     try:
-        graphs.forward = new_graph(forward_body, pool, stream)
-        graphs.backward = new_graph(backward_body, pool, stream)
+        with _collector_paused():
+            graphs.forward = new_graph(forward_body, pool, stream)
+            graphs.backward = new_graph(backward_body, pool, stream)
     except Exception as e:  # a sync or host-side work that a graph cannot hold
         graph_memory.forget_pool(device)  # torch leaves the allocator recording into the failed capture's pool
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

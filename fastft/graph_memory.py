@@ -9,7 +9,8 @@ set of static buffers that every signature and layer shares.
   Before such a capture every graph on the device is dropped with its pool (captured again when next
   called): the largest working set is laid down first, the smaller ones fit inside it.
 - Static buffers: each a power of two of elements (its own storage per shape under ``EXACT_BYTES``); a
-  signature's buffers are views of their first elements. One that must grow drops every graph as well.
+  signature's buffers are views of their first elements. One that must grow drops every graph as well. A
+  forward's outputs and a backward's input gradients share their buffers (``Statics.outputs``).
 """
 
 from __future__ import annotations
@@ -179,19 +180,30 @@ class Slot:
         self.last = None
 
 
-def static(device, role: str, index: int, shape, dtype, requires_grad: bool = False, exact: bool = False):
-    """(tensor, slot): a contiguous ``shape`` tensor over the first elements of slot ``(role, index, dtype)``'s
-    storage, which holds a power of two of elements (its own storage per shape where ``exact`` or small); a
-    slot that must grow renews the device's graphs first."""
-    numel = math.prod(shape)
-    exact = exact or numel * dtype.itemsize < EXACT_BYTES
-    key = (device, role, index, dtype) + ((tuple(shape),) if exact else ())
+def _slot(device, role: str, index: int, numel: int, dtype, exact_shape=None) -> Slot:
+    """Slot ``(role, index, dtype[, exact_shape])`` holding at least ``numel`` elements (a power of two of them,
+    or exactly ``numel`` for an exact shape); a slot that must grow renews the device's graphs first."""
+    key = (device, role, index, dtype) + ((tuple(exact_shape),) if exact_shape is not None else ())
     slot = _slots.setdefault(key, Slot())
     if slot.base is None or slot.base.numel() < numel:
         if slot.base is not None:
             renew(device)
-        slot.base = torch.empty(numel if exact else next_power_of_2(numel), dtype=dtype, device=device)
+        size = numel if exact_shape is not None else next_power_of_2(numel)
+        slot.base = torch.empty(size, dtype=dtype, device=device)
         slot.last = None
+    return slot
+
+
+def _exact(shape, dtype, exact: bool):
+    """The shape a static buffer keys its own storage by, or None where it shares a power-of-two slot."""
+    return tuple(shape) if exact or math.prod(shape) * dtype.itemsize < EXACT_BYTES else None
+
+
+def static(device, role: str, index: int, shape, dtype, requires_grad: bool = False, exact: bool = False):
+    """(tensor, slot): a contiguous ``shape`` tensor over the first elements of slot ``(role, index, dtype)``'s
+    storage, which holds a power of two of elements (its own storage per shape where ``exact`` or small); a
+    slot that must grow renews the device's graphs first."""
+    slot = _slot(device, role, index, math.prod(shape), dtype, _exact(shape, dtype, exact))
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * shape[i + 1]
@@ -218,12 +230,19 @@ class Statics:
         self.out = self.grad_out = self.grad_in = self.grad_params = None  # set by the first capture
 
     def outputs(self, outs, diff_out, inputs, diff_in, params) -> None:
-        """The output and gradient buffers, for outputs like ``outs``."""
+        """The output and gradient buffers, for outputs like ``outs``. The forward's outputs and the backward's
+        input gradients share the ``result`` slots: each replay's results are copied out before the next
+        replay, and neither graph reads the other's."""
         device = self.device
-        self.out = [static(device, "out", i, o.shape, o.dtype)[0] for i, o in enumerate(outs)]
+        results = [(i, o.shape, o.dtype) for i, o in enumerate(outs)]
+        results += [(k, inputs[i].shape, inputs[i].dtype) for k, i in enumerate(diff_in)]
+        for index, shape, dtype in results:  # grown to the larger of the two first: both views see one storage
+            if _exact(shape, dtype, False) is None:
+                _slot(device, "result", index, math.prod(shape), dtype)
+        self.out = [static(device, "result", i, o.shape, o.dtype)[0] for i, o in enumerate(outs)]
         self.grad_out = [static(device, "grad_out", k, outs[i].shape, outs[i].dtype)[0] for k, i in enumerate(diff_out)]
         self.grad_in = [
-            static(device, "grad_in", k, inputs[i].shape, inputs[i].dtype)[0] for k, i in enumerate(diff_in)
+            static(device, "result", k, inputs[i].shape, inputs[i].dtype)[0] for k, i in enumerate(diff_in)
         ]
         self.grad_params = [static(device, "param", k, p.shape, p.dtype, exact=True)[0] for k, p in enumerate(params)]
 

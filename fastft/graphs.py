@@ -16,9 +16,9 @@ and copies the outputs out. The first tensor argument is offloaded as ``offloade
 Few signatures: pad the token count to a few values (``fastft.buckets``, which ``apply(model, graphs=True)``
 does). Past ``MAX_SIGNATURES`` signatures of a layer its least-used graphs are dropped; ``capture_count()``
 counts the captures (one per layer and signature, and again after the pool is renewed). ``policy="auto"``
-captures a layer only where its eager forward is launch-bound (``fastft.graph_policy``), and runs a layer
-whose signatures keep changing (more than a quarter of its calls capture, past ``MAX_SIGNATURES`` captures)
-eagerly from then on.
+captures layers only where their eager forwards are launch-bound, like layers deciding together
+(``fastft.graph_policy``), and runs a layer whose signatures keep changing (more than a quarter of its calls
+capture, past ``MAX_SIGNATURES`` captures) eagerly from then on.
 
 A layer that draws random numbers (dropout) is refused with ``ValueError``: the replayed recompute would
 draw other ones than the forward. ``offloaded_checkpoint`` runs the call instead, with a warning once per
@@ -155,7 +155,7 @@ def graphed_checkpoint(
         return eager()
     device = x.device
     if policy == "auto" and not graph_policy.launch_bound(state):
-        return graph_policy.timed_eager(state, device, eager)
+        return graph_policy.timed_eager(state, module, device, eager)
     state.calls += 1
     autocast = torch.is_autocast_enabled(device.type)
     key = (spec, descs, module.training, autocast, torch.get_autocast_dtype(device.type) if autocast else None)

@@ -1,5 +1,6 @@
 """What a column's training step holds on the GPU: allocated before the step, the allocator's peak in it, and the
-reserved peak (what ``bench --e2e`` reports: graph pools and the cache included).
+reserved peak (what ``bench --e2e`` reports: graph pools and the cache included), and what is reserved after the
+step by pool (the allocator's cache, CUDA graph pools) beside fastft's static buffers.
 
     PYTHONPATH=$PWD python3 scripts/step_memory.py --model Qwen3-0.6B --column 'fastft + liger, graphs' [--live]
 
@@ -15,6 +16,7 @@ import collections
 
 import torch
 
+from fastft import graph_memory
 from fastft.bench import e2e
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -57,6 +59,13 @@ print(
     f"{args.model}, '{args.column}'{', ' + args.quant if args.quant else ''}: allocated before the step "
     f"{before / gib:.2f} GiB, allocated peak {torch.cuda.max_memory_allocated() / gib:.2f} GiB, reserved peak "
     f"{torch.cuda.max_memory_reserved() / gib:.2f} GiB"
+)
+pools = collections.Counter()  # reserved now, by pool: the allocator's cache (pool id (0, 0)) or CUDA graph pools
+for segment in torch.cuda.memory_snapshot():
+    pools[tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)] += segment["total_size"]
+print(
+    f"  reserved after the step: the allocator's cache {pools[False] / gib:.2f} GiB, CUDA graph pools "
+    f"{pools[True] / gib:.2f} GiB; fastft's static buffers (in the cache) {graph_memory.static_bytes() / gib:.2f} GiB"
 )
 if args.live:
     trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]

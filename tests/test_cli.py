@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*args, **env_vars):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **env_vars}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # what this process imports
+    env = {**os.environ, "PYTHONPATH": path, **env_vars}
     return subprocess.run([sys.executable, "-m", "fastft", *args], capture_output=True, text=True, env=env, cwd=ROOT)
 
 
@@ -51,6 +52,8 @@ def test_bench_e2e_runs_tiny_models(tmp_path):
         if importlib.util.find_spec("liger_kernel") is not None:
             columns.update({"liger + stock flex", "fastft + liger", "fastft + liger, graphs"})
             columns.add("fastft + liger, graphs auto")
+        if importlib.util.find_spec("unsloth") is not None:
+            columns.add("unsloth")
     if importlib.util.find_spec("peft") is None:
         columns.discard("fastft, peft lora")  # the same configuration as "fastft" without peft
         assert "peft is not installed" in out.stdout

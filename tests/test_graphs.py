@@ -121,6 +121,7 @@ def test_matches_offloaded_checkpoint_and_reuses_graphs(where):
     statics = {gr.statics for b in blocks for gr in b.__dict__[graphs._STATE].graphs.values()}
     assert len(statics) == 2
     assert len({st.inputs[0].data_ptr() for st in statics}) == len({st.out[0].data_ptr() for st in statics}) == 1
+    assert all(st.grad_in[0].data_ptr() == st.out[0].data_ptr() for st in statics)  # each copied out at once
 
 
 def test_static_buffers_and_pool_go_with_the_last_graphed_layer(where):
@@ -573,6 +574,53 @@ def test_auto_policy_graphs_launch_bound_layers_only(where, monkeypatch):
         fastft.graphed_checkpoint(blocks[0], embed[:4], policy="sometimes")
 
 
+def test_auto_policy_like_layers_decide_together(where, monkeypatch):
+    """Layers of one kind timed together decide on their summed times, not each on its own: one layer timed
+    GPU-bound beside launch-bound ones is graphed with them (an eager one would hold its working set beside the
+    graph pool's). A stack built later times and decides afresh; layers of another shape decide apart."""
+    device, dtype, counter = where
+    times = []  # (host ms, GPU ms) each timed call takes, in call order
+
+    class Timed(graph_policy.Probe):
+        def __init__(self, device):
+            self.host_ms, self.gpu = times.pop(0)
+
+        def stop(self):
+            pass
+
+        def gpu_ms(self):
+            return self.gpu
+
+    monkeypatch.setattr(graph_policy, "Probe", Timed)
+    auto = functools.partial(fastft.graphed_checkpoint, policy="auto")
+
+    def decisions(blocks):
+        return [b.__dict__[graphs._STATE].eager for b in blocks]
+
+    blocks, embed = make_stack(device, dtype, layers=3)
+    times += [(1.0, 10.0), (30.0, 10.0), (20.0, 10.0)]  # alone, the first would be GPU-bound: 0.1 < 0.7
+    expected = run(blocks, embed, [30, 34], fastft.offloaded_checkpoint)
+    for step in range(3):
+        got = run(blocks, embed, [30, 34], auto)
+        assert_close(got[0], expected[0], dtype)
+    assert decisions(blocks) == [False] * 3 and counter["graphs"] == 2 * 3
+
+    later, embed = make_stack(device, dtype, layers=2, seed=1)  # the same kind, a new stack: its own times
+    times += [(1.0, 10.0), (2.0, 10.0)]
+    for _ in range(3):
+        run(later, embed, [30, 34], auto)
+    assert decisions(later) == [True, True] and counter["graphs"] == 2 * 3
+
+    wide, wide_embed = make_stack(device, dtype, layers=1, dim=32, heads=2)  # another kind, timed beside
+    mixed = torch.nn.ModuleList([*make_stack(device, dtype, layers=1, seed=2)[0]])
+    times += [(1.0, 10.0), (30.0, 10.0)]  # mixed (GPU-bound), then wide (launch-bound)
+    for _ in range(3):
+        run(mixed, embed, [30, 34], auto)
+        run(wide, wide_embed, [8], auto)
+    assert decisions(mixed) == [True] and decisions(wide) == [False] and counter["graphs"] == 2 * 3 + 2
+    assert not times
+
+
 def test_auto_policy_gives_up_on_ever_new_signatures(where, monkeypatch):
     device, dtype, counter = where
     monkeypatch.setattr(graph_policy, "LAUNCH_BOUND", 0.0)
@@ -588,6 +636,37 @@ def test_auto_policy_gives_up_on_ever_new_signatures(where, monkeypatch):
             got = run(blocks, embed, [tokens], auto)
     assert blocks[0].__dict__[graphs._STATE].captures == 2
     assert_close(got[0], run(blocks, embed, [13], fastft.offloaded_checkpoint)[0], dtype)
+
+
+def test_a_dropped_models_graphs_are_not_collected_inside_a_capture(where, monkeypatch):
+    """A dropped model whose graphs sit in a reference cycle: a garbage collection inside another layer's
+    capture would destroy them there, which CUDA refuses (the capture fails, the layer runs eagerly for good).
+    Captures run with the collector paused; here it is asked to collect at every allocation."""
+    device, dtype, counter = where
+    paused = []
+    make = graph_capture.new_graph
+
+    def watched(body, pool, stream):
+        paused.append(not gc.isenabled())
+        threshold = gc.get_threshold()
+        gc.set_threshold(1, 1, 1)  # a full collection at about every allocation the capture makes
+        try:
+            return make(body, pool, stream)
+        finally:
+            gc.set_threshold(*threshold)
+
+    old, old_embed = make_stack(device, dtype, layers=2, seed=1)
+    run(old, old_embed, [20, 12], fastft.graphed_checkpoint)
+    old.cycle = [old]  # only the cyclic collector can free it
+    del old
+    monkeypatch.setattr(graph_capture, "new_graph", watched)
+    blocks, embed = make_stack(device, dtype, layers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns and runs eagerly
+        got = run(blocks, embed, [30, 34], fastft.graphed_checkpoint)
+    assert counter["graphs"] == 2 * 2 + 2 * 2 and paused == [True] * 4 and gc.isenabled()
+    expected = run(blocks, embed, [30, 34], fastft.offloaded_checkpoint)
+    assert_close(got[0], expected[0], dtype)
 
 
 def test_growing_buffers_drop_every_graph(where, monkeypatch):
