@@ -241,9 +241,7 @@ class Statics:
                 _slot(device, "result", index, math.prod(shape), dtype)
         self.out = [static(device, "result", i, o.shape, o.dtype)[0] for i, o in enumerate(outs)]
         self.grad_out = [static(device, "grad_out", k, outs[i].shape, outs[i].dtype)[0] for k, i in enumerate(diff_out)]
-        self.grad_in = [
-            static(device, "result", k, inputs[i].shape, inputs[i].dtype)[0] for k, i in enumerate(diff_in)
-        ]
+        self.grad_in = [static(device, "result", k, inputs[i].shape, inputs[i].dtype)[0] for k, i in enumerate(diff_in)]
         self.grad_params = [static(device, "param", k, p.shape, p.dtype, exact=True)[0] for k, p in enumerate(params)]
 
     def forget(self) -> None:

@@ -600,7 +600,7 @@ def test_auto_policy_like_layers_decide_together(where, monkeypatch):
     blocks, embed = make_stack(device, dtype, layers=3)
     times += [(1.0, 10.0), (30.0, 10.0), (20.0, 10.0)]  # alone, the first would be GPU-bound: 0.1 < 0.7
     expected = run(blocks, embed, [30, 34], fastft.offloaded_checkpoint)
-    for step in range(3):
+    for _ in range(3):
         got = run(blocks, embed, [30, 34], auto)
         assert_close(got[0], expected[0], dtype)
     assert decisions(blocks) == [False] * 3 and counter["graphs"] == 2 * 3
