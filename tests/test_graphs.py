@@ -612,7 +612,7 @@ def test_auto_policy_like_layers_decide_together(where, monkeypatch):
     assert decisions(later) == [True, True] and counter["graphs"] == 2 * 3
 
     wide, wide_embed = make_stack(device, dtype, layers=1, dim=32, heads=2)  # another kind, timed beside
-    mixed = torch.nn.ModuleList([*make_stack(device, dtype, layers=1, seed=2)[0]])
+    mixed, _ = make_stack(device, dtype, layers=1, seed=2)
     times += [(1.0, 10.0), (30.0, 10.0)]  # mixed (GPU-bound), then wide (launch-bound)
     for _ in range(3):
         run(mixed, embed, [30, 34], auto)
