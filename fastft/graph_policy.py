@@ -110,9 +110,9 @@ def launch_bound(state: LayerGraphs) -> bool:
         return False
     if isinstance(state.probe, Probe):
         cohort = [(ref(), probe) for ref, probe in _timed.get(state.kind, ())]
-        ratios = [(probe.host_ms, probe.gpu_ms()) for _, probe in cohort]
-        if all(gpu is not None for _, gpu in ratios):
-            host, gpu = sum(h for h, _ in ratios), sum(g for _, g in ratios)
+        times = [(probe.host_ms, probe.gpu_ms()) for _, probe in cohort]
+        if all(gpu is not None for _, gpu in times):
+            host, gpu = sum(h for h, _ in times), sum(g for _, g in times)
             eager = host / max(gpu, 1e-6) < LAUNCH_BOUND
             for layer, _ in cohort:
                 if layer is not None:
