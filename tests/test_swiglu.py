@@ -83,6 +83,24 @@ def test_clamp_bounds_pass_gradient_as_torch_clamp(backend, device, rng):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("limit", [None, 7.0])
+def test_nan_inputs_as_autograd_through_the_reference(backend, device, limit):
+    """A NaN gate or up gives the gradient autograd gives through the reference: NaN where it flows, and none
+    through a clamp (a NaN lies outside the bounds)."""
+    x = torch.randn(3, 2 * 8).to(device)
+    x[0, 0] = x[1, 8 + 3] = x[2, 5] = x[2, 8 + 5] = float("nan")
+    kw = dict(alpha=1.702, limit=limit, up_shift=1.0)
+    leaf = x.detach().clone().requires_grad_()
+    out = fastft.swiglu(leaf, backend=backend, **kw)
+    dx = _grad(out, leaf, torch.ones_like(out))
+    ref = x.detach().clone().requires_grad_()
+    want = reference.swiglu(ref, **kw)
+    torch.testing.assert_close(out, want, equal_nan=True, **FP32)
+    torch.testing.assert_close(dx, _grad(want, ref, torch.ones_like(want)), equal_nan=True, **FP32)
+    assert dx[0, 0].isnan().item() == (limit is None)  # the clamp stops a NaN gate's gradient
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_any_strides_and_leading_dims(backend, device, rng):
     base = torch.randn(3, 5, 40, generator=rng).to(device)
     x = base[..., 4:36].requires_grad_()  # rows strided past the 32 columns used

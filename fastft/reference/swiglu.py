@@ -49,8 +49,8 @@ def swiglu_backward(
     s = torch.sigmoid(g * alpha)
     dgate = dy * (u + up_shift) * (s + alpha * g * s * (1 - s))
     dup = dy * (g * s)
-    if limit is not None:  # torch.clamp's gradient: inside the bounds, ends included
-        dgate = dgate * (gate <= limit)
-        dup = dup * ((up >= -limit) & (up <= limit))
+    if limit is not None:  # torch.clamp's gradient: inside the bounds, ends included (none for NaN)
+        dgate = torch.where(gate <= limit, dgate, 0.0)
+        dup = torch.where((up >= -limit) & (up <= limit), dup, 0.0)
     dx = torch.stack((dgate, dup), dim=-1).flatten(-2) if interleaved else torch.cat((dgate, dup), dim=-1)
     return dx.to(gate_up.dtype)
