@@ -2,6 +2,8 @@
 LFM2's short convolutions packing-correct, and refuses every other transformers family whose layers mix tokens
 outside attention, found from the config, the modules and their names."""
 
+import re
+
 import pytest
 import torch
 
@@ -18,8 +20,8 @@ REFUSED = {
     "granitemoehybrid": "GraniteMoeHybridMambaLayer",
     "jamba": "JambaMambaMixer",
     "kimi_linear": "KimiLinearDeltaAttention",
-    "mamba": "MambaMixer",
-    "mamba2": "Mamba2Mixer",
+    "mamba": "MambaMixer|Mamba",  # Mamba: fla's, once flash-linear-attention registers its models over these
+    "mamba2": "Mamba2Mixer|Mamba2",
     "minimax": "MiniMaxLightningAttention",
     "nemotron_h": "NemotronHMamba2Mixer",
     "recurrent_gemma": "RecurrentGemmaRecurrentBlock",
@@ -45,7 +47,7 @@ def meta_model(model_type: str, **fields):
 def test_every_family_with_other_mixers_is_found(model_type):
     model = meta_model(model_type)
     kinds = {b.kind for b in mixers.packing_blockers(model)}
-    assert REFUSED[model_type] in kinds, kinds
+    assert any(re.fullmatch(REFUSED[model_type], kind) for kind in kinds), kinds
     with pytest.raises(ValueError, match=REFUSED[model_type]) as error:
         mixers.check_packing(model)
     assert "packing=False" in str(error.value)
@@ -193,10 +195,12 @@ def test_a_new_layer_type_is_caught_by_the_config():
         mixers.check_packing(model)
 
 
-def documents(rng, vocab: int, lengths=(7, 1, 13, 3)):
+def documents(rng, vocab: int, lengths=(7, 1, 13, 3), device="cpu"):
+    """One packed row of documents: its token ids and position ids on ``device`` (a model there runs
+    flash-linear-attention's kernels where transformers finds them installed: they take no CPU tensors)."""
     ids = torch.randint(0, vocab, (1, sum(lengths)), generator=rng)
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    return ids, pos, list(lengths)
+    return ids.to(device), pos.to(device), list(lengths)
 
 
 def step(model, ids, pos):
@@ -212,11 +216,11 @@ def step(model, ids, pos):
 @pytest.mark.parametrize(
     "model_type, graphs", [(m, False) for m in sorted(HYBRIDS)] + [("qwen3_5_text", True), ("lfm2", True)]
 )
-def test_packed_equals_each_document_alone(model_type, graphs, rng):
+def test_packed_equals_each_document_alone(model_type, graphs, rng, device):
     """Forward and every gradient of a packed row equal those of its documents run one by one."""
-    model = tiny(model_type, rng, **HYBRIDS[model_type]).train()
+    model = tiny(model_type, rng, **HYBRIDS[model_type]).to(device).train()
     patched = patch_counts()
-    ids, pos, lengths = documents(rng, model.config.vocab_size)
+    ids, pos, lengths = documents(rng, model.config.vocab_size, device=device)
     stock_logits, _ = step(model, ids, pos)
     apply(model, graphs=graphs) if graphs else apply(model)
     assert model_state_records(model) >= {"mixers"}
@@ -248,15 +252,15 @@ def model_state_records(model) -> set:
     return set(model_state(model).records)
 
 
-def test_another_model_of_the_family_keeps_transformers_path(rng):
+def test_another_model_of_the_family_keeps_transformers_path(rng, device):
     """fastft replaces functions of the family's modeling module: a model without fastft still runs them as
     transformers wrote them (leaking, as stock does), before and after revert of the one with fastft."""
-    plain = tiny("qwen3_5_text", rng, **HYBRIDS["qwen3_5_text"])
-    ids, pos, _ = documents(rng, plain.config.vocab_size)
+    plain = tiny("qwen3_5_text", rng, **HYBRIDS["qwen3_5_text"]).to(device)
+    ids, pos, _ = documents(rng, plain.config.vocab_size, device=device)
     patched = patch_counts()
     with torch.no_grad():
         expected = plain(input_ids=ids, position_ids=pos, use_cache=False).logits
-        fast = apply(tiny("qwen3_5_text", rng, **HYBRIDS["qwen3_5_text"]), offload_checkpointing=False)
+        fast = apply(tiny("qwen3_5_text", rng, **HYBRIDS["qwen3_5_text"]).to(device), offload_checkpointing=False)
         torch.testing.assert_close(plain(input_ids=ids, position_ids=pos, use_cache=False).logits, expected)
         fast(input_ids=ids, position_ids=pos, use_cache=False)
         revert(fast)
