@@ -60,3 +60,21 @@ def grads_close():
             assert err <= rel, f"{msg}: the difference's norm is {err:.3g} of the gradient's (at most {rel})"
 
     return check
+
+
+@pytest.fixture
+def transformers_torch_delta_rule(monkeypatch):
+    """transformers' own ``torch_chunk_gated_delta_rule`` in its Gated DeltaNet families for the test: where
+    flash-linear-attention is installed transformers calls its kernels instead, which take no CPU tensors and
+    autotune at every new shape. fastft's replacement (``apply``) still takes the place of either."""
+    import importlib
+    import inspect
+
+    for family in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"):
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        fn = getattr(module, "torch_chunk_gated_delta_rule", None)
+        if fn is not None and fn.__module__ == module.__name__:  # transformers' (not a live fastft model's)
+            monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", inspect.unwrap(fn))

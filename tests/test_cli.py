@@ -63,7 +63,10 @@ def test_bench_e2e_runs_tiny_models(tmp_path):
         assert r["warmup"] == 1 and r["steps"] == 2 and len(r["losses"]) == 3 and len(r["first_step_s"]) == 1
         assert r["tokens_per_s"] > 0 and r["first_steps_s"] > 0 and 0 < r["tokens_min"] <= r["tokens_max"] <= 256
         captured = r["captures_first"] + r["captures_timed"]
-        assert captured > 0 if r["column"].endswith(", graphs") else captured == 0, r
+        if r["column"].endswith(", graphs"):
+            assert captured > 0, r
+        elif not r["column"].endswith(", graphs auto"):  # auto captures where it times the layers launch-bound
+            assert captured == 0, r
     assert "first 1 steps" in out.stdout and "| padding-free | " in out.stdout and "vs fastest peer  " in out.stdout
     assert "loss check Qwen3-0.6B, padding-free: largest relative difference to naive glue over 3 steps" in out.stdout
     assert "FAILS" not in out.stdout

@@ -57,6 +57,7 @@ def test_hybrid_models_in_the_table():
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.usefixtures("transformers_torch_delta_rule")
 def test_padded_rows_are_each_document_alone_and_packed_rows_leak(name, rng):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(e2e.model_config(name, tiny=True)).eval()

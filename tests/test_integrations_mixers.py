@@ -196,8 +196,7 @@ def test_a_new_layer_type_is_caught_by_the_config():
 
 
 def documents(rng, vocab: int, lengths=(7, 1, 13, 3), device="cpu"):
-    """One packed row of documents: its token ids and position ids on ``device`` (a model there runs
-    flash-linear-attention's kernels where transformers finds them installed: they take no CPU tensors)."""
+    """One packed row of documents: its token ids and position ids on ``device``."""
     ids = torch.randint(0, vocab, (1, sum(lengths)), generator=rng)
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     return ids.to(device), pos.to(device), list(lengths)
@@ -216,6 +215,7 @@ def step(model, ids, pos):
 @pytest.mark.parametrize(
     "model_type, graphs", [(m, False) for m in sorted(HYBRIDS)] + [("qwen3_5_text", True), ("lfm2", True)]
 )
+@pytest.mark.usefixtures("transformers_torch_delta_rule")
 def test_packed_equals_each_document_alone(model_type, graphs, rng, device):
     """Forward and every gradient of a packed row equal those of its documents run one by one."""
     model = tiny(model_type, rng, **HYBRIDS[model_type]).to(device).train()
@@ -252,6 +252,7 @@ def model_state_records(model) -> set:
     return set(model_state(model).records)
 
 
+@pytest.mark.usefixtures("transformers_torch_delta_rule")
 def test_another_model_of_the_family_keeps_transformers_path(rng, device):
     """fastft replaces functions of the family's modeling module: a model without fastft still runs them as
     transformers wrote them (leaking, as stock does), before and after revert of the one with fastft."""
