@@ -94,9 +94,9 @@ def test_real_size_packed_step_matches_stock_and_documents_alone(name):
 @pytest.mark.usefixtures("transformers_torch_delta_rule")
 def test_real_size_hybrid_packed_step_matches_each_document_alone(name):
     """Stock packing leaks through the linear-attention layers, so the reference is stock transformers in fp32
-    (its own torch delta rule, not flash-linear-attention's where installed) run on each document alone; fastft's packed bf16 step is as close to it as stock bf16 on each document
-    alone is: error <= 1.5 x stock's + 5e-3 (relative norms), for the summed loss, the logits and every
-    gradient."""
+    (its own torch delta rule, not flash-linear-attention's where installed) run on each document alone;
+    fastft's packed bf16 step is as close to it as stock bf16 on each document alone is: error <= 1.5 x
+    stock's + 5e-3 (relative norms), for the summed loss, the logits and every gradient."""
     config_cls, fields, _ = MODEL_CONFIGS[name]
     config = getattr(transformers, config_cls)(**dict(fields, num_hidden_layers=4), use_cache=False)
     torch.manual_seed(0)
