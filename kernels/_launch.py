@@ -51,11 +51,22 @@ def _key(args) -> tuple:
 
 
 def launch(fn, grid, *args, **meta) -> None:
-    if not (args and isinstance(args[0], torch.Tensor) and args[0].is_cuda):
+    """``fn[grid](*args, **meta)`` on the device of ``args[0]`` (a CUDA tensor), whatever the current device."""
+    first = args[0] if args else None
+    if not (isinstance(first, torch.Tensor) and first.is_cuda):
         fn[grid](*args, **meta)
         return
+    index = first.device.index
+    if index != torch.cuda.current_device():  # Triton launches on the current device and its current stream
+        with torch.cuda.device(index):
+            _launch(fn, index, grid, args, meta)
+        return
+    _launch(fn, index, grid, args, meta)
+
+
+def _launch(fn, index: int, grid, args, meta) -> None:
     grid = tuple(grid) + (1,) * (3 - len(grid))
-    key = (fn, torch.cuda.current_device(), *meta.items(), *_key(args))  # Triton launches on the current device
+    key = (fn, index, *meta.items(), *_key(args))
     hit = _compiled.get(key)
     if hit is None:
         kernel = fn[grid](*args, **meta)
