@@ -123,3 +123,28 @@ def test_forward_kinds():
     stack.eval()
     assert lifecycle.classify(stack, {"position_ids": pos}) == lifecycle.PACKED
     assert lifecycle.classify(stack, {"input_ids": pos}) == lifecycle.STOCK
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_generate_after_apply_on_a_peft_model(model_type, rng, device, monkeypatch):
+    """LoRA through fastft's path in training; PEFT's own forward in generation: the tokens are PEFT's."""
+    peft = pytest.importorskip("peft")
+    from fastft.integrations import peft as ft_peft
+
+    base = tiny(model_type, rng).to(device)
+    reference = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    model = apply(copy.deepcopy(reference))
+    calls = []
+    lora_linear = ft_peft.lora_linear
+    monkeypatch.setattr(ft_peft, "lora_linear", lambda *a, **k: calls.append(1) or lora_linear(*a, **k))
+    seed = int(torch.randint(2**31, (), generator=rng))
+    for mode in (False, True):
+        reference.train(mode), model.train(mode)
+        for inputs in prompts(rng, base.config.vocab_size, device).values():
+            assert torch.equal(generate(model, inputs, True, seed), generate(reference, inputs, True, seed))
+    assert not calls
+    packed_step(model, rng, device)  # a training step: fastft's LoRA path
+    assert calls
+    revert(model)

@@ -93,7 +93,6 @@ def apply(
         raise ValueError(
             f"graphs={graphs!r} needs offload_checkpointing=True: the graphs are replayed by fastft's checkpoint"
         )
-    lifecycle.watch(model)  # fastft serves training and packed forwards; the model's own code the others
     if packing:
         use_packed_attention(model)
     if moe and has_experts(model):
@@ -108,6 +107,7 @@ def apply(
             state.add("lora", None, functools.partial(ft_peft.revert_lora, inner))
     if offload_checkpointing:
         enable_gradient_checkpointing(model, graphs=graphs)
+    lifecycle.watch(model)  # fastft serves training and packed forwards; the model's own code the others
     return model
 
 
