@@ -1,7 +1,8 @@
 """The README's headline table, rendered from the main job's recorded runs (docs/e2e_runs.json).
 
-    python scripts/readme_numbers.py            # print it
-    python scripts/readme_numbers.py --write    # put it in README.md, between its two markers
+    python scripts/readme_numbers.py                               # print it
+    python scripts/readme_numbers.py --write                       # put it in README.md, between its markers
+    python scripts/readme_numbers.py --add out/e2e.json --write    # a GPU run's --json record first
 
 For each model and each kind of stack users run without fastft (stock transformers; Unsloth): the newest run
 that timed such a column (one that keeps documents apart) and a fastft column on that model, and the fastest
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +86,7 @@ def render(runs: list[dict]) -> str:
     unprimed = False
     for c in comparisons(runs):
         peer, fastft = c["peer"], c["fastft"]
-        mark = "" if c["run"].get("primed") else "‡"
+        mark = "" if c["run"].get("primed", True) else "‡"
         unprimed = unprimed or bool(mark)
         peer_name = "Unsloth" if peer["column"] == "unsloth" else f"`{peer['column']}`"
         ratio = fastft["tokens_per_s"] / peer["tokens_per_s"]
@@ -111,7 +113,8 @@ def render(runs: list[dict]) -> str:
             "‡ a run from before each column was primed with a first pass over the stream: its first column paid "
             "one-time costs in its timed steps, so the ratio can overstate fastft's lead.",
         ]
-    return "\n".join(lines) + "\n"
+    wrapped = [line if line.startswith("|") else textwrap.fill(line, 116, break_on_hyphens=False) for line in lines]
+    return "\n".join(wrapped) + "\n"
 
 
 def load(path: Path = RUNS) -> list[dict]:
@@ -124,10 +127,24 @@ def readme_table(text: str) -> str:
     return text[begin:end].strip("\n") + "\n"
 
 
+def add(record_path: Path, path: Path = RUNS) -> None:
+    """Append the record ``python -m fastft e2e --json`` wrote to the runs (a GPU run: a CPU run's tiny configs
+    time that each stack runs, not how fast)."""
+    record = json.loads(Path(record_path).read_text())
+    if not {"date", "device", "command", "rows"} <= set(record) or " CPU" in record["device"]:
+        raise SystemExit(f"{record_path}: not the --json record of a GPU run of the main job")
+    doc = json.loads(path.read_text())
+    doc["runs"].append(record)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="replace the table in README.md")
+    parser.add_argument("--add", metavar="FILE", help="first append this --json record of a GPU run to the runs")
     args = parser.parse_args(argv)
+    if args.add:
+        add(Path(args.add))
     table = render(load())
     if not args.write:
         sys.stdout.write(table)

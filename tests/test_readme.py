@@ -7,6 +7,7 @@ An example that cannot run here (it downloads weights, or needs several GPUs) ha
 
 import ast
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -74,6 +75,30 @@ def test_the_table_compares_within_one_run_only():
     for c in compared:
         assert c["peer"] in c["run"]["rows"] and c["fastft"] in c["run"]["rows"]
         assert not c["peer"]["leaks"] and c["fastft"]["column"].startswith("fastft")
+
+
+def test_a_new_gpu_run_takes_the_tables_place(tmp_path):
+    numbers = _readme_numbers()
+    runs = tmp_path / "runs.json"
+    runs.write_text((ROOT / "docs" / "e2e_runs.json").read_text())
+    row = dict(model="Llama-3.2-1B", layers=16, stream="padding-free", quant=None, leaks=False, peak_gib=1.0)
+    record = dict(date="2099-01-01", device="NVIDIA H100 80GB HBM3 (sm90)", versions={}, command="python -m fastft e2e")
+    record["rows"] = [
+        dict(row, column="stock sdpa", tokens_per_s=1000.0),
+        dict(row, column="fastft", tokens_per_s=3000.0),
+    ]
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps(dict(record, device="x86_64 CPU (Triton interpreter)")))
+    with pytest.raises(SystemExit, match="not the --json record of a GPU run"):
+        numbers.add(cpu, runs)
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps(record))
+    numbers.add(gpu, runs)
+    table = numbers.render(numbers.load(runs))
+    assert (
+        "| Llama-3.2-1B (16 layers) | `stock sdpa` | 1,000 | **3,000** (`fastft`) | **3.00x** | 1.00 / 1.00 |" in table
+    )
+    assert "2026-11-25 to 2099-01-01" in table.replace("\n", " ")
 
 
 def _public_names():
