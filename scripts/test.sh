@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The tests (what .ci/run runs): the whole suite on the installed packages (the test extra pins the oldest
 # supported transformers), then the integration tests again on the newest supported transformers release.
+# Arguments (test paths, -k ...) go to both runs in place of their defaults.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,5 +12,7 @@ if [ ! -d "$dir/transformers" ]; then
   "$PY" -m pip install -q --no-deps --target "$dir" "transformers==$NEWEST"
 fi
 echo "integration tests on transformers $NEWEST"
-PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -p no:cacheprovider "$@" \
-  tests/test_integrations_*.py tests/test_examples.py tests/test_versions.py
+if [ $# -eq 0 ]; then
+  set -- tests/test_integrations_*.py tests/test_examples.py tests/test_versions.py
+fi
+PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -p no:cacheprovider "$@"

@@ -15,6 +15,7 @@ from fastft.integrations.transformers import apply, lifecycle, revert  # noqa: E
 
 FAMILIES = ATTENTION_ONLY + tuple(sorted(HYBRIDS))
 MOE = ("qwen3_moe", "gpt_oss", "glm4_moe", "qwen3_next", "lfm2_moe", "qwen3_5_moe_text")
+SMALL_MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)}
 
 
 def prompts(rng, vocab: int, device) -> dict:
@@ -131,7 +132,8 @@ def test_generate_after_apply_on_a_peft_model(model_type, rng, device, monkeypat
     peft = pytest.importorskip("peft")
     from fastft.integrations import peft as ft_peft
 
-    base = tiny(model_type, rng).to(device)
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")  # the lifecycle is under test here, not the kernels
+    base = tiny(model_type, rng, **SMALL_MOE.get(model_type, {})).to(device)
     reference = peft.get_peft_model(
         base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     )

@@ -129,3 +129,10 @@ def test_no_session_names_in_the_docs():
     for page in [*PAGES, ROOT / "CHANGELOG.md"]:
         for n, line in enumerate(page.read_text().splitlines(), 1):
             assert not pattern.search(line), f"{page.relative_to(ROOT)}:{n}: {line}"
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run's command is the README's first command (install, then the tests)."""
+    readme = (ROOT / "README.md").read_text()
+    command = next(line.split("#")[0].strip() for line in readme.splitlines() if "scripts/setup.sh &&" in line)
+    assert command in (ROOT / ".ci" / "run").read_text().splitlines()
