@@ -13,7 +13,7 @@ import torch
 import fastft
 from fastft import checks, graphs
 from fastft.offload import OffloadConfig, offloader_for
-from fastft.testing import assert_same
+from fastft.testing import assert_same, randint, random_strided_tensor
 
 needs_two_gpus = pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs ({torch.cuda.device_count()} here)"
@@ -65,7 +65,7 @@ def test_integer_ops_on_another_device(op, seed):
             return checks.routing_outputs(**checks.random_routing_case(g, device, 256))
         from fastft import copy
 
-        tensors = checks.random_copy_case(g, device, 4096)
+        tensors = [random_strided_tensor(g, device, 4096) for _ in range(1 + randint(g, 0, 3))]
         buf, layout = copy.pack(tensors)
         return {"packed": buf[: layout.nbytes], "unpacked": copy.unpack(buf, layout)}
 
@@ -81,7 +81,8 @@ def attention_case(device, g):
     case = checks.random_attention_case(g, device, 256)
     info = fastft.packed_seq_info(position_ids=case["position_ids"])
     q, k, v = (case[n].to(torch.bfloat16).requires_grad_() for n in ("q", "k", "v"))
-    out = fastft.packed_attention(q, k, v, info, window=case["window"], sinks=case["sinks"])
+    sinks = None if case["sinks"] is None else case["sinks"].to(torch.bfloat16)
+    out = fastft.packed_attention(q, k, v, info, window=case["window"], sinks=sinks)
     return _grads(out, [q, k, v], 1)
 
 
