@@ -214,3 +214,45 @@ def test_sampler_errors():
         sampler(LENGTHS, shuffle="yes")
     with pytest.raises(TypeError, match="lengths must hold integers"):
         sampler([1.5, 2])
+
+
+def test_sampler_under_transformers_trainer(tmp_path):
+    """A Trainer whose train dataloader takes the sampler (the documented override): it trains on exactly the
+    sampler's micro-batches, each one packed row (DataCollatorWithFlattening)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from torch.utils.data import DataLoader
+
+    from fastft.integrations.balance import BalancedBatchSampler
+    from fastft.testing import tiny_hf_model
+
+    lengths = [int(n) for n in np.random.default_rng(1).integers(2, 40, 40)]
+    dataset = [{"input_ids": list(range(i, i + n))} for i, n in enumerate(lengths)]  # first id: the index
+    seen = []
+    flatten = transformers.DataCollatorWithFlattening()
+
+    def collate(features):
+        seen.append([f["input_ids"][0] for f in features])
+        return flatten(features)
+
+    def make_sampler():
+        return BalancedBatchSampler(lengths, tokens_per_step=120, world_size=1, accumulation=2, seed=5)
+
+    class BalancedTrainer(transformers.Trainer):
+        def get_train_dataloader(self):
+            loader = DataLoader(self.train_dataset, batch_sampler=make_sampler(), collate_fn=self.data_collator)
+            return self.accelerator.prepare(loader)
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        remove_unused_columns=False,
+    )
+    model = tiny_hf_model("llama")
+    BalancedTrainer(model=model, args=args, train_dataset=dataset, data_collator=collate).train()
+    want = [list(b) for b in make_sampler()][:6]
+    assert seen[:6] == want and len(seen) >= 6
