@@ -277,26 +277,41 @@ def is_fastft_checkpoint(func):
     return func in (fastft.offload.gradient_checkpointing_func, fastft.offloaded_checkpoint)
 
 
+SPELLINGS = [
+    name
+    for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable")
+    if hasattr(transformers.PreTrainedModel, name)  # the second from transformers 5.24
+]
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
 @pytest.mark.parametrize("wrap", ["plain", "peft"])
-def test_later_gradient_checkpointing_enable_keeps_fastft(wrap, recwarn):
+def test_later_gradient_checkpointing_enable_keeps_fastft(wrap, spelling, recwarn):
     model = tiny("llama", torch.float32).cpu()
     if wrap == "peft":
         peft = pytest.importorskip("peft")
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     ft_hf.apply(model)
+    assert not recwarn.list, [str(w.message) for w in recwarn.list]  # no deprecation warning from apply
     layers = [m for m in ft_hf.hf_model(model).modules() if isinstance(m, transformers.GradientCheckpointingLayer)]
     assert len(layers) == 2 and all(is_fastft_checkpoint(f) for f in checkpoint_funcs(model))
-    # what Trainer, TRL and PEFT call, with every argument transformers 5.17 takes
-    model.gradient_checkpointing_enable()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, offload=True)
+    enable = getattr(model, spelling)
+    options = spelling.split("_enable")[0] + "_kwargs"  # gradient_checkpointing_kwargs, activation_...
+    # what Trainer, TRL and PEFT call, with every argument transformers takes
+    enable()
+    enable(**{options: {"use_reentrant": False}}, offload=True)
     assert all(f is fastft.offload.gradient_checkpointing_func for f in checkpoint_funcs(model))
-    model.gradient_checkpointing_enable({"preserve_rng_state": False}, every_n_layers=2)
+    enable({"preserve_rng_state": False}, every_n_layers=2)
     assert [m.gradient_checkpointing for m in layers] == [True, False]
     (func,) = checkpoint_funcs(model)
     assert is_fastft_checkpoint(func) and func.keywords == {"preserve_rng_state": False}
-    assert not recwarn.list
+    assert not recwarn.list, [str(w.message) for w in recwarn.list]
+    with pytest.raises(ValueError, match="every_n_layers must be a positive int"):
+        enable(every_n_layers=0)
+    with pytest.raises(TypeError, match="offload must be a bool"):
+        enable(offload="yes")
     with pytest.warns(UserWarning, match="keeps its non-reentrant checkpoint"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        enable(**{options: {"use_reentrant": True}})
     assert len(checkpoint_funcs(model)) == 2 and all(is_fastft_checkpoint(f) for f in checkpoint_funcs(model))
     model.gradient_checkpointing_disable()
     assert not ft_hf.hf_model(model).is_gradient_checkpointing

@@ -11,6 +11,7 @@ import torch
 from ...attention import packed_attention
 from ...packing import packed_seq_info
 from ..models import PACKED_INFO_KWARG, decoder_stack, model_state, transformers_model
+from . import lifecycle
 from .graph_padding import pad_for_graphs
 from .mixers import check_packing, use_packed_mixers
 
@@ -103,10 +104,10 @@ def prepare_packed_batch(module, args, kwargs):
     position ids whose padding tokens are one-token documents (no sync), since transformers passes no mask
     to a registered attention function; then the batch's ``PackedSeqInfo`` is built once and handed to
     every layer under ``PACKED_INFO_KWARG``."""
+    if lifecycle.forward_kind(module) == lifecycle.STOCK:
+        return args, kwargs  # the model's own attention
     if len(args) > 1:
         raise ValueError("with fastft packed attention, pass attention_mask and position_ids as keyword arguments")
-    if kwargs.get("past_key_values") is not None:
-        return args, kwargs  # generation with a cache: each layer decides
     mask = kwargs.get("attention_mask")
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
@@ -146,6 +147,7 @@ def use_packed_attention(model):
     check_packing(inner)  # before any change: a model fastft cannot make packing-correct is left as it was
     state = model_state(inner)
     before = inner.config._attn_implementation
+    configs = lifecycle.snapshot(inner, "_attn_implementation")
     AttentionInterface.register(ATTENTION_IMPLEMENTATION, attention_forward)
     inner.set_attn_implementation(ATTENTION_IMPLEMENTATION)
     if inner.config.get_text_config()._attn_implementation != ATTENTION_IMPLEMENTATION:
@@ -168,5 +170,7 @@ def use_packed_attention(model):
                 _PACKED.discard(layer)
 
         state.add("attention", before, undo)
+    lifecycle.own(inner, "_attn_implementation", configs)
+    lifecycle.watch(inner)
     use_packed_mixers(inner)
     return model
