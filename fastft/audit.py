@@ -226,6 +226,12 @@ def _union_ms(intervals) -> float:
     return total / 1000
 
 
+def _synchronize() -> None:
+    """Wait for every GPU: a model split over GPUs (``device_map``) computes on others than the current one."""
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(index)
+
+
 def audit(step, *, model=None, layers=(), steps: int = 3, warmup: int = 1, top: int = 10) -> AuditReport:
     """Profile ``step()`` (a callable running one training step) ``steps`` times after ``warmup`` calls; see
     the module docstring. ``model``: the model ``step`` trains, for per-module sources; ``layers``: modules
@@ -250,7 +256,7 @@ def audit(step, *, model=None, layers=(), steps: int = 3, warmup: int = 1, top: 
     for _ in range(warmup):
         step()
     if cuda:
-        torch.cuda.synchronize()
+        _synchronize()
     ranges = _Ranges(model, layers)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     try:
@@ -260,7 +266,7 @@ def audit(step, *, model=None, layers=(), steps: int = 3, warmup: int = 1, top: 
                     step()
                     if cuda:
                         with record_function(_WAIT):
-                            torch.cuda.synchronize()
+                            _synchronize()
     finally:
         ranges.remove()
     events = list(prof.events())
