@@ -230,10 +230,10 @@ def packed_batch(device):
     return dict(input_ids=ids.to(device), labels=ids.to(device), position_ids=positions.to(device))
 
 
-def split_map(model) -> dict:
-    """transformers' device_map of a tiny model: the embedding and the first half of the layers on cuda:0, the
-    rest, the norm and the head on cuda:1."""
-    layers = model.config.num_hidden_layers
+def split_map(config) -> dict:
+    """transformers' device_map of a tiny model (its config): the embedding and the first half of the layers on
+    cuda:0, the rest, the norm and the head on cuda:1."""
+    layers = config.num_hidden_layers
     placement = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 1, "lm_head": 1}
     placement.update({f"model.layers.{i}": int(i >= layers // 2) for i in range(layers)})
     return placement
