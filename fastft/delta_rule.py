@@ -212,7 +212,7 @@ def gated_delta_rule(
 
 
 def _chunked(q, k, v, g, beta, table: ChunkTable, scale: float, use_qk_l2norm: bool, backend: str) -> torch.Tensor:
-    """o ``[N, H, Dv]`` fp32 (a transposed view): transformers' chunked algorithm, its steps and names, on
+    """o ``[N, H, Dv]`` fp32: transformers' chunked algorithm, its steps and names, on
     ``table``'s layout; the scan over chunks on ``backend``."""
     b, t, h, _ = q.shape
     n, c, num_chunks = b * t, table.chunk_size, table.num_chunks_bound
@@ -250,7 +250,7 @@ def _chunked(q, k, v, g, beta, table: ChunkTable, scale: float, use_qk_l2norm: b
     scan = chunk_scan_op if backend == "triton" else scan_chunks
     states, v_news = scan(k_cumdecay, new_values, key_decayed, cum_decay[..., -1].exp(), table.first)
     out = query @ states + intra_chunk_attn @ v_news  # [H, num_chunks, C, Dv]
-    return out.view(h, num_chunks * c, -1).index_select(1, table.slot).transpose(0, 1)
+    return out.view(h, num_chunks * c, -1).transpose(0, 1).index_select(0, table.slot)
 
 
 def _chunked_per_channel(query, key, v_beta, k_beta, decay, table: ChunkTable, backend: str) -> torch.Tensor:
@@ -270,7 +270,7 @@ def _chunked_per_channel(query, key, v_beta, k_beta, decay, table: ChunkTable, b
     scan = chunk_scan_op if backend == "triton" else scan_chunks
     states, v_news = scan(k_cumdecay, new_values, key_decayed, cum_decay[..., -1, :].exp(), table.first)
     out = query @ states + intra_chunk_attn @ v_news  # [H, num_chunks, C, Dv]
-    return out.view(h, num_chunks * c, -1).index_select(1, table.slot).transpose(0, 1)
+    return out.view(h, num_chunks * c, -1).transpose(0, 1).index_select(0, table.slot)
 
 
 def pairwise(a: torch.Tensor, b: torch.Tensor, cum_decay: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Mamba-1's selective scan over packed documents (Jamba).
 
-``selective_scan(u, delta, A, B, C, info, ...)`` is transformers 5.17's ``mamba_selective_scan`` (and
+``packed_selective_scan(u, delta, A, B, C, info, ...)`` is transformers 5.17's ``mamba_selective_scan`` (and
 mamba_ssm's ``selective_scan_fn``) with the state reset to 0 at every document of ``info``: on a row that holds
 one document it computes the same thing; on a packed row no document sees the state of the one before it. The
 specification is the token-by-token loop in ``fastft/reference/selective_scan.py``.
@@ -32,20 +32,21 @@ from .ssd import OP_SCAN as OP_STATE_SCAN
 from .ssd import OP_SCAN_BACKWARD as OP_STATE_SCAN_BACKWARD
 from .ssd import scan_states
 
-__all__ = ["selective_scan", "selective_scan_op"]
+__all__ = ["packed_selective_scan", "selective_scan_op"]
 
 OP = dispatch.register("selective_scan.scan")
 # Launch parameters only; dispatched with the forward.
 OP_BACKWARD = "selective_scan.scan_backward"
 # Keyed by u's elements (T * Dm). Defaults: 64 channels per program; ``tune`` measures Jamba's widths (Dm = 8192,
-# N = 16) at T=8192 and 32768. The interpreter's 4 makes small test inputs span several programs.
+# N = 16) at T=8192 and 32768. The interpreter's 16: few programs (each costs the interpreter milliseconds), and
+# tests/test_selective_scan.py's widest inputs span two.
 autotune.register(
     OP,
     autotune.Tunable(
         {"BD": 64, "num_warps": 4},
         sizes=(8192 * 8192, 32768 * 8192),
         grid={"BD": (16, 32, 64, 128), "num_warps": (1, 2, 4, 8)},
-        interpreter={"BD": 4},
+        interpreter={"BD": 16},
     ),
 )
 autotune.register(
@@ -54,7 +55,7 @@ autotune.register(
         {"BD": 32, "num_warps": 4, "PROGRAMS_PER_SM": 8},
         sizes=(8192 * 8192, 32768 * 8192),
         grid={"BD": (16, 32, 64), "num_warps": (1, 2, 4, 8), "PROGRAMS_PER_SM": (4, 8, 16)},
-        interpreter={"BD": 4, "PROGRAMS_PER_SM": 1},
+        interpreter={"BD": 16, "PROGRAMS_PER_SM": 1},
     ),
 )
 
@@ -100,7 +101,7 @@ def _check(u, delta, A, B, C, info, D, z, delta_bias, delta_softplus, chunk_size
     return chunk_size, dispatch.backend_for(OP, u.device, backend)
 
 
-def selective_scan(
+def packed_selective_scan(
     u: torch.Tensor,
     delta: torch.Tensor,
     A: torch.Tensor,

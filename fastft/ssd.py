@@ -43,7 +43,8 @@ OP_SCAN = dispatch.register("ssd.state_scan")
 OP_SCAN_BACKWARD = "ssd.state_scan_backward"
 # Keyed by the entering states' elements (H * chunks * P * N). Defaults: 1024 state elements per program (8
 # programs per head of 64 x 128); ``tune`` measures Nemotron-H / Granite-4.0-H widths (128 heads of 64 x 128)
-# at T=8192 and 32768. The interpreter's 8 makes small test inputs span several programs.
+# at T=8192 and 32768. The interpreter's 64 keeps the programs few (each costs the interpreter milliseconds);
+# tests/test_ssd.py runs the kernels with 8 elements a program too.
 for _op in (OP_SCAN, OP_SCAN_BACKWARD):
     autotune.register(
         _op,
@@ -51,7 +52,7 @@ for _op in (OP_SCAN, OP_SCAN_BACKWARD):
             {"BLOCK": 1024, "num_warps": 4},
             sizes=(128 * 129 * 64 * 128, 128 * 513 * 64 * 128),
             grid={"BLOCK": (256, 512, 1024, 2048), "num_warps": (2, 4, 8)},
-            interpreter={"BLOCK": 8},
+            interpreter={"BLOCK": 64},
         ),
     )
 
@@ -181,7 +182,7 @@ def _chunked(x, dt, A, B, C, table: ChunkTable, backend: str) -> torch.Tensor:
     scan = state_scan_op if backend == "triton" else scan_states
     states = scan(local.reshape(h, num_chunks, -1), cum[..., -1].exp().reshape(h, num_chunks), table.first)
     y = y + (C @ states.view(local.shape).transpose(-1, -2)) * cum.exp()[..., None]  # from the entering state
-    return y.reshape(h, num_chunks * c, p).index_select(1, table.slot).transpose(0, 1)
+    return y.reshape(h, num_chunks * c, p).transpose(0, 1).index_select(0, table.slot)
 
 
 def scan_states(local: torch.Tensor, decay: torch.Tensor, first: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import fastft
 from fastft import dispatch, testing
 from fastft.reference import selective_scan as reference
-from fastft.selective_scan import OP, selective_scan, selective_scan_backward_op, selective_scan_op
+from fastft.selective_scan import OP, packed_selective_scan, selective_scan_backward_op, selective_scan_op
 
 # fp32 against the fp64 reference: max |fast - reference| <= RTOL * max |reference| + ATOL, for the output and
 # each gradient.
@@ -43,7 +43,7 @@ def check_against_reference(info, inputs, c, backend, *, softplus=True, options=
         kw = dict(D=D, z=z, delta_bias=delta_bias) if options else {}
         return fn(u, delta, A, B, C, *first, delta_softplus=softplus, **kw)
 
-    out = run(lambda *a, **kw: selective_scan(*a, chunk_size=c, backend=backend, **kw), *inputs, info)
+    out = run(lambda *a, **kw: packed_selective_scan(*a, chunk_size=c, backend=backend, **kw), *inputs, info)
     expected = run(reference.selective_scan, *exact, info.position_ids)
     assert out.shape == expected.shape and out.dtype == inputs[0].dtype
     assert_close_to(out, expected, "y")
@@ -69,7 +69,7 @@ def check_from_position_ids(device, position_ids, c, dims, seed, backend):
 
 
 CHUNK_SIZES = st.sampled_from([1, 2, 4, 8])
-DIMS = st.sampled_from([(1, 1), (3, 2), (5, 4)])  # Dm, N
+DIMS = st.sampled_from([(1, 1), (3, 2), (20, 4)])  # Dm, N: 20 channels span two programs in the interpreter
 
 
 @given(testing.position_ids_strategy(max_rows=3, max_tokens=24), CHUNK_SIZES, DIMS, testing.seeds_strategy())
@@ -105,9 +105,9 @@ def test_documents_do_not_leak(device, rng, backend):
     """A document's output is the same whatever precedes it in the row."""
     u, delta, A, B, C, D, z, bias = random_inputs(rng, 1, 4, 14, 3, device)
     kw = dict(D=D, delta_bias=bias, delta_softplus=True, backend=backend)
-    packed = selective_scan(u, delta, A, B, C, fastft.packed_seq_info(seq_lengths=[5, 9], device=device), **kw)
+    packed = packed_selective_scan(u, delta, A, B, C, fastft.packed_seq_info(seq_lengths=[5, 9], device=device), **kw)
     rest = [v[..., 5:] for v in (u, delta, B, C)]
-    alone = selective_scan(*rest[:2], A, *rest[2:], fastft.packed_seq_info(seq_lengths=[9], device=device), **kw)
+    alone = packed_selective_scan(*rest[:2], A, *rest[2:], fastft.packed_seq_info(seq_lengths=[9], device=device), **kw)
     assert_close_to(packed[..., 5:], alone, "second document")
 
 
@@ -117,7 +117,9 @@ def test_bf16_inputs_and_autocast(device, rng, backend):
     low = [v.detach().bfloat16() for v in random_inputs(rng, 1, 4, 12, 3, device)]
     u, delta, A, B, C, D, z, bias = low
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        out = selective_scan(u, delta, A, B, C, info, D=D, z=z, delta_bias=bias, delta_softplus=True, backend=backend)
+        out = packed_selective_scan(
+            u, delta, A, B, C, info, D=D, z=z, delta_bias=bias, delta_softplus=True, backend=backend
+        )
     assert out.dtype == torch.bfloat16
     fp32 = [v.float() for v in low]
     expected = reference.selective_scan(
@@ -132,7 +134,7 @@ def test_works_under_checkpoint(device, rng, backend):
     inputs = random_inputs(rng, 1, 3, 10, 2, device)
 
     def run(u, delta, A, B, C, D, z, bias):
-        return selective_scan(u, delta, A, B, C, info, D=D, z=z, delta_bias=bias, chunk_size=4, backend=backend)
+        return packed_selective_scan(u, delta, A, B, C, info, D=D, z=z, delta_bias=bias, chunk_size=4, backend=backend)
 
     run(*inputs).square().sum().backward()
     plain = [v.grad.clone() for v in inputs]
@@ -149,14 +151,18 @@ def test_no_host_sync_from_host_lengths(device, rng, backend):
     info = fastft.packed_seq_info(seq_lengths=[5, 1, 8, 2], device=device)
     u, delta, A, B, C, D, z, bias = inputs = random_inputs(rng, 1, 4, 16, 2, device)
     with testing.no_host_sync():
-        out = selective_scan(u, delta, A, B, C, info, D=D, z=z, delta_bias=bias, delta_softplus=True, backend=backend)
+        out = packed_selective_scan(
+            u, delta, A, B, C, info, D=D, z=z, delta_bias=bias, delta_softplus=True, backend=backend
+        )
         torch.autograd.grad(out.sum(), inputs)
 
 
 def test_no_tokens(device):
     info = fastft.packed_seq_info(seq_lengths=[], device=device)
     u = torch.zeros(1, 3, 0, device=device)
-    out = selective_scan(u, u, torch.zeros(3, 2, device=device), *[torch.zeros(1, 2, 0, device=device)] * 2, info)
+    out = packed_selective_scan(
+        u, u, torch.zeros(3, 2, device=device), *[torch.zeros(1, 2, 0, device=device)] * 2, info
+    )
     assert out.shape == (1, 3, 0)
 
 
@@ -188,7 +194,9 @@ def test_matches_transformers_on_each_document(device, rng):
     u, delta, A, B, C, D, z, bias = random_inputs(rng, 1, 4, sum(lengths), 3, device)
     kw = dict(D=D, z=z, delta_bias=bias, delta_softplus=True)
     ours = [reference.selective_scan(u, delta, A, B, C, info.position_ids, **kw)]
-    ours += [selective_scan(u, delta, A, B, C, info, chunk_size=4, backend=backend, **kw) for backend in BACKENDS]
+    ours += [
+        packed_selective_scan(u, delta, A, B, C, info, chunk_size=4, backend=backend, **kw) for backend in BACKENDS
+    ]
     start = 0
     for n in lengths:
         doc = [v[..., start : start + n] for v in (u, delta, B, C, z)]
@@ -238,7 +246,7 @@ def _args(**changes):
 )
 def test_bad_input(changes, error, match):
     with pytest.raises(error, match=match):
-        selective_scan(**_args(**changes))
+        packed_selective_scan(**_args(**changes))
 
 
 def test_backend_choice(device, monkeypatch):
@@ -248,7 +256,7 @@ def test_backend_choice(device, monkeypatch):
     assert dispatch.backend_for(OP, device) == "torch"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="backend='triton' cannot run selective_scan.scan on device cpu"):
-        selective_scan(**_args(), backend="triton")
+        packed_selective_scan(**_args(), backend="triton")
 
 
 # ---- GPU: real sizes -------------------------------------------------------------------------------------
@@ -281,7 +289,9 @@ def test_real_sizes_bf16_against_transformers(backend):
         return [out.detach().float(), *torch.autograd.grad((out.float() * w).sum(), v)]
 
     u, delta, A, B, C, D, z, bias = inputs
-    ours = selective_scan(u, delta, A, B, C, info, D=D, z=z, delta_bias=bias, delta_softplus=True, backend=backend)
+    ours = packed_selective_scan(
+        u, delta, A, B, C, info, D=D, z=z, delta_bias=bias, delta_softplus=True, backend=backend
+    )
     ours = results(ours, inputs)
     theirs = results(per_doc(inputs), inputs)
     fp32 = [v.detach().float().requires_grad_() for v in inputs]
