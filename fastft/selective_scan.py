@@ -182,14 +182,14 @@ def _chunked(u, delta, A, B, C, table: ChunkTable) -> torch.Tensor:
 # ---- the scan on Triton: a custom op, its kernels, no validation ---------------------------------------------
 
 
-def _programs(device: torch.device, per_sm: int) -> int:
+def backward_programs(device: torch.device, per_sm: int) -> int:
     """How many programs loop over the backward's (chunk, block) pairs (each with its own scratch)."""
     if device.type != "cuda":
         return 4 * per_sm
     return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _states(u, delta, A, B, start, length, first):
+def chunk_states(u, delta, A, B, start, length, first):
     """(entering states, decay) ``[chunks, Dm, N]`` fp32: steps 1 and 2 of the forward."""
     from .kernels import selective_scan as kernels
     from .kernels import ssd as ssd_kernels
@@ -219,7 +219,7 @@ def selective_scan_op(
     from .kernels import selective_scan as kernels
 
     u, delta, A, B, C = (v.float().contiguous() for v in (u, delta, A, B, C))
-    states, _ = _states(u, delta, A, B, start, length, first)
+    states, _ = chunk_states(u, delta, A, B, start, length, first)
     cfg = autotune.params(OP, u.device, u.numel())
     return kernels.chunk_outputs(u, delta, A, B, C, start, length, states, **cfg)
 
@@ -247,14 +247,14 @@ def selective_scan_backward_op(
     from .kernels import ssd as ssd_kernels
 
     u, delta, A, B, C, dy = (v.float().contiguous() for v in (u, delta, A, B, C, dy))
-    states, decay = _states(u, delta, A, B, start, length, first)
+    states, decay = chunk_states(u, delta, A, B, start, length, first)
     cfg = autotune.params(OP_BACKWARD, u.device, u.numel())
     block = {"BD": cfg["BD"], "num_warps": cfg["num_warps"]}
     dstates = kernels.chunk_start_grads(delta, A, C, dy, start, length, **block)
     scan_cfg = autotune.params(OP_STATE_SCAN_BACKWARD, u.device, states.numel())
     flat = (1, first.shape[0], -1)
     dT, _ = ssd_kernels.state_scan_backward(decay.view(flat), first, states.view(flat), dstates.view(flat), **scan_cfg)
-    programs = _programs(u.device, cfg["PROGRAMS_PER_SM"])
+    programs = backward_programs(u.device, cfg["PROGRAMS_PER_SM"])
     du, ddelta, dB, dC, dA = kernels.chunk_grads(
         u, delta, A, B, C, dy, start, length, states, dT.view(states.shape), chunk_size, PROGRAMS=programs, **block
     )

@@ -183,3 +183,74 @@ def _selective_rows(stock, device, sizes) -> list[Row]:
             memory = "" if peak is None else f"peak {their_peak or float('nan'):.2f} GiB vs fastft {peak:.2f} GiB; "
             rows.append(Row("packed_selective_scan fwd+bwd", shape, label, ms, fast, chosen, memory + bounds))
     return rows
+
+
+def tune_launchers(device: torch.device) -> dict:
+    """op -> make(size) -> fn(cfg) that runs the op's kernels once with launch parameters ``cfg``, at the widths
+    of the op's ``autotune.Tunable`` sizes: the scan over chunks (Nemotron-H's 128 heads of 64 x 128; size = the
+    entering states' elements) forward and backward, and Mamba-1's chunk kernels (Jamba's Dm = 8192, N = 16;
+    size = T * Dm) forward and backward."""
+    from fastft.delta_rule import chunk_table
+    from fastft.kernels import selective_scan as mamba1_kernels
+    from fastft.kernels import ssd as ssd_kernels
+
+    def state_inputs(size):
+        e = SSD_HEAD_DIM * SSD_STATE
+        nc = max(1, size // (SSD_HEADS * e))
+        g = torch.Generator().manual_seed(2)
+        local = torch.randn(SSD_HEADS, nc, e, generator=g).to(device)
+        decay = torch.rand(SSD_HEADS, nc, generator=g).to(device)
+        first = (torch.arange(nc) % 16 == 0).to(device)
+        return local, decay, first
+
+    def state_forward(size):
+        local, decay, first = state_inputs(size)
+        return lambda cfg: ssd_kernels.state_scan(local, decay, first, **cfg)
+
+    def state_backward(size):
+        local, decay, first = state_inputs(size)
+        states = ssd_kernels.state_scan(local, decay, first)
+        dstates = torch.randn_like(states)
+        return lambda cfg: ssd_kernels.state_scan_backward(decay, first, states, dstates, **cfg)
+
+    def mamba1_inputs(size):
+        tokens = max(1, size // MAMBA_CHANNELS)
+        g = torch.Generator().manual_seed(3)
+        u, delta, dy = (torch.randn(tokens, MAMBA_CHANNELS, generator=g).to(device) for _ in range(3))
+        delta = torch.nn.functional.softplus(delta)
+        A = -torch.rand(MAMBA_CHANNELS, MAMBA_STATE, generator=g).to(device)
+        B, C = (torch.randn(tokens, MAMBA_STATE, generator=g).to(device) for _ in range(2))
+        table = chunk_table(fastft.packed_seq_info(seq_lengths=_lengths(tokens, max(1, tokens // 1024)), device=device))
+        states, decay = mamba1.chunk_states(u, delta, A, B, table.start, table.length, table.first)
+        return u, delta, A, B, C, dy, table, states, decay
+
+    def mamba1_forward(size):
+        u, delta, A, B, C, _, table, states, _ = mamba1_inputs(size)
+
+        def run(cfg):
+            mamba1_kernels.chunk_ends(u, delta, A, B, table.start, table.length, **cfg)
+            mamba1_kernels.chunk_outputs(u, delta, A, B, C, table.start, table.length, states, **cfg)
+
+        return run
+
+    def mamba1_backward(size):
+        u, delta, A, B, C, dy, table, states, _ = mamba1_inputs(size)
+        dT = torch.randn_like(states)
+
+        def run(cfg):
+            block = {"BD": cfg["BD"], "num_warps": cfg["num_warps"]}
+            mamba1_kernels.chunk_start_grads(delta, A, C, dy, table.start, table.length, **block)
+            programs = mamba1.backward_programs(device, cfg["PROGRAMS_PER_SM"])
+            mamba1_kernels.chunk_grads(
+                u, delta, A, B, C, dy, table.start, table.length, states, dT, table.chunk_size, PROGRAMS=programs,
+                **block,
+            )  # fmt: skip
+
+        return run
+
+    return {
+        ssd.OP_SCAN: state_forward,
+        ssd.OP_SCAN_BACKWARD: state_backward,
+        mamba1.OP: mamba1_forward,
+        mamba1.OP_BACKWARD: mamba1_backward,
+    }
