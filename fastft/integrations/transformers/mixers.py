@@ -326,6 +326,9 @@ def _delta_rule_fn(original):
                 **kwargs,
             )
         _no_cache(initial_state, output_final_state)
+        if key.shape[2] != value.shape[2]:  # fewer key heads than value heads (handed over so from 5.24)
+            groups = value.shape[2] // key.shape[2]  # each key head serves that many consecutive value heads
+            query, key = query.repeat_interleave(groups, dim=2), key.repeat_interleave(groups, dim=2)
         out = gated_delta_rule(query, key, value, g, beta, info, use_qk_l2norm=use_qk_l2norm_in_kernel)
         return out, None
 
@@ -533,24 +536,34 @@ REPLACEMENTS = {
     SELECTIVE_SCAN_FN: _selective_scan_fn,
 }
 FORWARDS = {"MiniMaxLightningAttention": _lightning_forward, "JambaMambaDecoderLayer": _layer_forward}
-# (modeling module name, function name) or (module, class, "forward") -> [transformers' own, models using fastft's]
+# (modeling module name, function name) or (module name, class name, "forward") -> _Patch
 _patched: dict = {}
 
 
+@dataclasses.dataclass
+class _Patch:
+    original: object  # the module's function (or the class's forward) that fastft's wraps
+    models: int  # live models using fastft's
+    replacement: object  # fastft's function, as set on the module (or class)
+
+
 def _replace(namespace, name: str, make=None):
-    """Replace ``namespace.name`` (a modeling module's function, or a class's forward: ``make``) by fastft's, once
-    for all the models that use it; returns the undo of this model's use."""
+    """Replace ``namespace.name`` (a modeling module's function, or with ``make`` a class's forward) by fastft's,
+    once for all the models that use it; returns the undo of this model's use."""
     key = (namespace.__name__, name) if make is None else (namespace.__module__, namespace.__name__, name)
-    if key not in _patched:
-        original = getattr(namespace, name)
-        _patched[key] = [original, 0]
-        setattr(namespace, name, (make or REPLACEMENTS[name])(original))
-    _patched[key][1] += 1
+    patch = _patched.setdefault(key, _Patch(None, 0, None))
+    current = getattr(namespace, name)
+    if current is not patch.replacement:  # first use, or the module's function was set anew since (a reload)
+        patch.original, patch.replacement = current, (make or REPLACEMENTS[name])(current)
+        setattr(namespace, name, patch.replacement)
+    patch.models += 1
 
     def restore():
-        _patched[key][1] -= 1
-        if _patched[key][1] == 0:
-            setattr(namespace, name, _patched.pop(key)[0])
+        patch.models -= 1
+        if patch.models == 0:
+            _patched.pop(key)
+            if getattr(namespace, name) is patch.replacement:
+                setattr(namespace, name, patch.original)
 
     return restore
 
