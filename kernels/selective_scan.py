@@ -151,6 +151,7 @@ def _chunk_grads_kernel(
     N,
     NT,
     CS,
+    NPROG,
     BD: tl.constexpr,
     BN: tl.constexpr,
 ):
@@ -161,7 +162,7 @@ def _chunk_grads_kernel(
     mn = on < N
     # this program's slice of the scratch: the state before each token of the chunk
     scratch = scratch_ptr + pid.to(tl.int64) * CS * BD * BN + ob[:, None] * BN + on[None, :]
-    for item in range(pid, NCB * blocks, tl.num_programs(0)):
+    for item in range(pid, NCB * blocks, NPROG):
         c = (item // blocks).to(tl.int64)
         i_b = item % blocks
         od = i_b * BD + ob
@@ -265,5 +266,6 @@ def chunk_grads(
     dB, dC = u.new_zeros(blocks, t, n), u.new_zeros(blocks, t, n)
     dA = u.new_empty(nc, dm, n)
     args = (u, delta, A, B, C, dy, start, length, states, dT, scratch, du, ddelta, dB, dC, dA, nc, dm, n, t, chunk_size)
+    args = (*args, programs)
     launch(_chunk_grads_kernel, (programs,), *args, BD=bd, BN=bn, num_warps=num_warps)
     return du, ddelta, dB.sum(0), dC.sum(0), dA.sum(0)
