@@ -25,6 +25,8 @@ from .lora import lora_linear  # noqa: E402
 from .offload import OffloadConfig, offloaded_checkpoint  # noqa: E402
 from .packing import PackedSeqInfo, document_mask_mod, packed_seq_info  # noqa: E402
 from .routing import MoERouting, moe_expert_rows, moe_permute, moe_route, moe_unpermute  # noqa: E402
+from .selective_scan import packed_selective_scan  # noqa: E402
+from .ssd import packed_ssd_scan  # noqa: E402
 from .swiglu import swiglu  # noqa: E402
 
 __version__ = "0.2.0"
@@ -35,6 +37,8 @@ __all__ = [
     "packed_attention",
     "packed_conv1d",
     "gated_delta_rule",
+    "packed_ssd_scan",
+    "packed_selective_scan",
     "dispatch",
     "MoERouting",
     "moe_route",

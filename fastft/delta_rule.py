@@ -1,9 +1,11 @@
-"""The gated delta rule (Gated DeltaNet: Qwen3.5, Qwen3.5-MoE, Qwen3-Next) over packed documents.
+"""The gated delta rule (Gated DeltaNet: Qwen3.5, Qwen3.5-MoE, Qwen3-Next; Kimi Delta Attention: Kimi-Linear)
+over packed documents.
 
 ``gated_delta_rule(q, k, v, g, beta, info)`` is transformers 5.17's ``torch_chunk_gated_delta_rule`` with the
 recurrent state reset to 0 at every document of ``info``: on a row that holds one document it computes the
-same thing; on a packed row no document sees the state of the one before it. The specification is the
-token-by-token loop in ``fastft/reference/delta_rule.py``.
+same thing; on a packed row no document sees the state of the one before it. With one decay per key channel
+(``g`` ``[B, T, H, Dk]``) it is ``chunk_kimi_delta_attention`` (Kimi-Linear) with the reset. The specification
+is the token-by-token loop in ``fastft/reference/delta_rule.py``.
 
 The op runs the chunked WY/UT-transform algorithm on a chunk layout in which no chunk spans two documents.
 ``chunk_table(info, chunk_size)`` builds that layout: tokens are gathered into ``[num_chunks_bound,
@@ -24,6 +26,7 @@ GPU syncs: none when ``info`` came from host lengths / ``cu_seqlens``; from devi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 
 import torch
@@ -31,6 +34,7 @@ import torch
 from . import autotune, dispatch
 from ._checks import int_arg, number_arg
 from ._custom_op import custom_op
+from .kernels._launch import next_power_of_2
 from .packing import PackedSeqInfo
 from .reference.delta_rule import l2norm
 
@@ -149,9 +153,12 @@ def _check(q, k, v, g, beta, info, scale, use_qk_l2norm, backend) -> str:
         raise ValueError(f"v must be [B, T, H, Dv] with q's [B, T, H] = {tuple(q.shape[:3])}, got {tuple(v.shape)}")
     if 0 in (q.shape[2], q.shape[3], v.shape[3]):
         raise ValueError(f"H, Dk and Dv must be >= 1, got q {tuple(q.shape)} and v {tuple(v.shape)}")
-    for name, x in (("g", g), ("beta", beta)):
-        if x.shape != q.shape[:3]:
-            raise ValueError(f"{name} must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(x.shape)}")
+    if g.shape not in (q.shape[:3], q.shape):
+        raise ValueError(
+            f"g must be [B, T, H] = {tuple(q.shape[:3])} or [B, T, H, Dk] = {tuple(q.shape)}, got {tuple(g.shape)}"
+        )
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(beta.shape)}")
     if not isinstance(info, PackedSeqInfo):
         raise TypeError(f"info must be a fastft.PackedSeqInfo, got {type(info).__name__}")
     if info.num_tokens != q.shape[0] * q.shape[1]:
@@ -181,7 +188,8 @@ def gated_delta_rule(
     """The gated delta rule with its state reset to 0 at every document of ``info``.
 
     q, k ``[B, T, H, Dk]``; v ``[B, T, H, Dv]`` (heads already repeated to the value heads, as transformers
-    does before its call); g (log decay, <= 0: not checked, that would sync) and beta ``[B, T, H]``; any
+    does before its call); g, the log decay (<= 0: not checked, that would sync), ``[B, T, H]`` (Gated
+    DeltaNet) or ``[B, T, H, Dk]`` (one per key channel: Kimi Delta Attention); beta ``[B, T, H]``; any
     floating dtypes. ``info``: the ``PackedSeqInfo`` of these ``B * T`` tokens, read in flat order.
     ``use_qk_l2norm`` normalises q and k over the head dim (transformers' ``use_qk_l2norm_in_kernel``),
     ``scale`` multiplies q (default ``Dk ** -0.5``). Returns o ``[B, T, H, Dv]`` in q's dtype; the math is
@@ -204,12 +212,13 @@ def gated_delta_rule(
 
 
 def _chunked(q, k, v, g, beta, table: ChunkTable, scale: float, use_qk_l2norm: bool, backend: str) -> torch.Tensor:
-    """o ``[N, H, Dv]`` fp32 (a transposed view): transformers' chunked algorithm, its steps and names, on
+    """o ``[N, H, Dv]`` fp32: transformers' chunked algorithm, its steps and names, on
     ``table``'s layout; the scan over chunks on ``backend``."""
     b, t, h, _ = q.shape
     n, c, num_chunks = b * t, table.chunk_size, table.num_chunks_bound
     q, k, v = (x.reshape(n, h, x.shape[-1]).float() for x in (q, k, v))
-    g, beta = (x.reshape(n, h, 1).float() for x in (g, beta))
+    per_channel = g.dim() == 4
+    g, beta = g.reshape(n, h, -1).float(), beta.reshape(n, h, 1).float()
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     q = q * scale
@@ -219,9 +228,12 @@ def _chunked(q, k, v, g, beta, table: ChunkTable, scale: float, use_qk_l2norm: b
         return slots.index_copy(1, table.slot, x.transpose(0, 1)).view(h, num_chunks, c, -1)
 
     query, key, value = chunks(q), chunks(k), chunks(v)
-    beta, decay = chunks(beta).squeeze(-1), chunks(g).squeeze(-1)
+    beta = chunks(beta).squeeze(-1)
     v_beta = value * beta.unsqueeze(-1)
     k_beta = key * beta.unsqueeze(-1)
+    if per_channel:
+        return _chunked_per_channel(query, key, v_beta, k_beta, chunks(g), table, backend)
+    decay = chunks(g).squeeze(-1)
 
     strictly_upper_mask = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
     cum_decay = decay.cumsum(dim=-1)
@@ -238,7 +250,69 @@ def _chunked(q, k, v, g, beta, table: ChunkTable, scale: float, use_qk_l2norm: b
     scan = chunk_scan_op if backend == "triton" else scan_chunks
     states, v_news = scan(k_cumdecay, new_values, key_decayed, cum_decay[..., -1].exp(), table.first)
     out = query @ states + intra_chunk_attn @ v_news  # [H, num_chunks, C, Dv]
-    return out.view(h, num_chunks * c, -1).index_select(1, table.slot).transpose(0, 1)
+    return out.view(h, num_chunks * c, -1).transpose(0, 1).index_select(0, table.slot)
+
+
+def _chunked_per_channel(query, key, v_beta, k_beta, decay, table: ChunkTable, backend: str) -> torch.Tensor:
+    """``_chunked``'s algorithm with one log decay per key channel (``decay`` ``[H, num_chunks, C, Dk]``), as
+    transformers' ``chunk_kimi_delta_attention``: the decays between two tokens differ per channel, so the
+    products that the per-head form scales by one decay are taken channel by channel (``pairwise``)."""
+    h, num_chunks, c, _ = query.shape
+    cum_decay = decay.cumsum(dim=-2)
+    ut_system = pairwise(k_beta, key, cum_decay)
+    intra_chunk_attn = pairwise(query, key, cum_decay)
+    decayed_k_beta = k_beta * cum_decay.exp()
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+
+    query = query * cum_decay.exp()
+    key_decayed = key * (cum_decay[..., -1:, :] - cum_decay).exp()
+    scan = chunk_scan_op if backend == "triton" else scan_chunks
+    states, v_news = scan(k_cumdecay, new_values, key_decayed, cum_decay[..., -1, :].exp(), table.first)
+    out = query @ states + intra_chunk_attn @ v_news  # [H, num_chunks, C, Dv]
+    return out.view(h, num_chunks * c, -1).transpose(0, 1).index_select(0, table.slot)
+
+
+def pairwise(a: torch.Tensor, b: torch.Tensor, cum_decay: torch.Tensor) -> torch.Tensor:
+    """``[..., C, C]``: ``sum_d a[i, d] b[j, d] exp(cum_decay[i, d] - cum_decay[j, d])`` for ``j <= i``, 0
+    above the diagonal, for a, b, cum_decay ``[..., C, Dk]`` (cum_decay non-increasing along C, as cumulative
+    sums of log decays <= 0 are).
+
+    No factor is ever above 1, however strong the decay: the chunk is halved recursively, and the block of
+    rows in the lower half against columns in the upper half is one matmul of rows scaled by
+    ``exp(cum[i] - cum[r])`` and columns by ``exp(cum[r] - cum[j])``, ``r`` the first row of the lower half
+    (``j < r <= i``); each pair ``j < i`` falls in exactly one such block, the diagonal is a plain sum."""
+    *lead, c, dk = a.shape
+    size = next_power_of_2(c)
+    if size != c:  # zero rows past the chunk, their decay that of its last token (no factor above 1)
+        a, b = (torch.nn.functional.pad(x, (0, 0, 0, size - c)) for x in (a, b))
+        cum_decay = torch.cat([cum_decay, cum_decay[..., -1:, :].expand(*lead, size - c, dk)], -2)
+    values = [(a * b).sum(-1)]
+    span = size
+    while span > 1:
+        half, blocks = span // 2, size // span
+        av, bv, cv = (x.reshape(*lead, blocks, 2, half, dk) for x in (a, b, cum_decay))
+        ref = cv[..., 1, :1, :]
+        rows = av[..., 1, :, :] * (cv[..., 1, :, :] - ref).exp()
+        cols = bv[..., 0, :, :] * (ref - cv[..., 0, :, :]).exp()
+        values.append((rows @ cols.transpose(-1, -2)).reshape(*lead, -1))
+        span = half
+    out = a.new_zeros(*lead, size * size).index_copy(-1, _pairwise_index(size, a.device), torch.cat(values, -1))
+    return out.view(*lead, size, size)[..., :c, :c]
+
+
+@functools.cache
+def _pairwise_index(size: int, device: torch.device) -> torch.Tensor:
+    """Where ``pairwise``'s values go in the flat ``[size, size]`` result, in the order it computes them."""
+    index = [torch.arange(size, device=device) * (size + 1)]
+    span = size
+    while span > 1:
+        half, blocks = span // 2, size // span
+        ranges = (torch.arange(m, device=device) for m in (blocks, half, half))
+        block, i, j = (x.reshape(-1) for x in torch.meshgrid(*ranges, indexing="ij"))
+        index.append((block * span + half + i) * size + block * span + j)
+        span = half
+    return torch.cat(index)
 
 
 def scan_chunks(w, u, k_decayed, chunk_decay, first):
@@ -247,8 +321,9 @@ def scan_chunks(w, u, k_decayed, chunk_decay, first):
     leaving it, ``state * chunk_decay + k_decayed^T @ v_new``.
 
     w ``[H, NC, C, Dk]`` (transformers' ``k_cumdecay``), u ``[H, NC, C, Dv]`` (its ``new_values``),
-    k_decayed ``[H, NC, C, Dk]`` (keys decayed to the chunk's end), chunk_decay ``[H, NC]``, first bool
-    ``[NC]``. Returns (states ``[H, NC, Dk, Dv]``: each chunk's entering state, v_new ``[H, NC, C, Dv]``).
+    k_decayed ``[H, NC, C, Dk]`` (keys decayed to the chunk's end), chunk_decay ``[H, NC]`` (or ``[H, NC, Dk]``:
+    one per row of the state), first bool ``[NC]``. Returns (states ``[H, NC, Dk, Dv]``: each chunk's entering
+    state, v_new ``[H, NC, C, Dv]``).
     """
     h, num_chunks, _, dk = w.shape
     k_t = k_decayed.transpose(-1, -2)
@@ -259,7 +334,8 @@ def scan_chunks(w, u, k_decayed, chunk_decay, first):
         v_new = torch.baddbmm(u[:, i], w[:, i], state, alpha=-1)
         states.append(state)
         v_news.append(v_new)
-        state = torch.baddbmm(state * chunk_decay[:, i, None, None], k_t[:, i], v_new)
+        decay = chunk_decay[:, i, None, None] if chunk_decay.dim() == 2 else chunk_decay[:, i, :, None]
+        state = torch.baddbmm(state * decay, k_t[:, i], v_new)
     return torch.stack(states, 1), torch.stack(v_news, 1)
 
 

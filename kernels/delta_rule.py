@@ -2,14 +2,15 @@
 
 ``chunk_scan(w, u, k_decayed, chunk_decay, first, ...)`` computes what ``fastft.delta_rule.scan_chunks``
 computes (its specification): for each head, chunk after chunk, the state entering the chunk (zeroed where
-``first``), ``v_new = u - w @ state`` and the state leaving it, ``state * chunk_decay + k_decayed^T @ v_new``.
+``first``), ``v_new = u - w @ state`` and the state leaving it, ``state * chunk_decay + k_decayed^T @ v_new``
+(``chunk_decay`` a scalar per head and chunk, or one per row of the state: Kimi Delta Attention).
 
 ``chunk_scan_backward`` runs the same chunks in reverse, carrying ``dS``, the gradient of the state leaving a
 chunk: for chunk i, with ``S`` its entering state and ``dS`` (0 after the last chunk, and 0 entering a chunk
 that starts a document, whose entering state does not depend on the one before),
 
     dv_new_total = dv_new + k_decayed @ dS        (= du)
-    dchunk_decay = sum(S * dS)
+    dchunk_decay = sum(S * dS)          (over the row only, for a decay per row)
     dS_before    = dstates + chunk_decay * dS - w^T @ dv_new_total
 
 and writes each chunk's ``dS``, ``du`` and per-program partial sums of ``dchunk_decay``; ``dw = -du @ S^T`` and
@@ -42,6 +43,7 @@ def _chunk_scan_kernel(
     C,
     DK,
     DV,
+    PER_CHANNEL: tl.constexpr,
     BC: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -65,7 +67,10 @@ def _chunk_scan_kernel(
         v_new = u - tl.dot(w, state, input_precision="ieee")
         tl.store(vnew_ptr + chunk * C * DV + oc[:, None] * DV + ov[None, :], v_new, mask=cv)
         kd = tl.load(kd_ptr + chunk * C * DK + oc[:, None] * DK + ok[None, :], mask=ck, other=0.0)
-        decay = tl.load(decay_ptr + chunk)
+        if PER_CHANNEL:
+            decay = tl.load(decay_ptr + chunk * DK + ok, mask=ok < DK, other=0.0)[:, None]
+        else:
+            decay = tl.load(decay_ptr + chunk)
         state = state * decay + tl.dot(tl.trans(kd), v_new, input_precision="ieee")
 
 
@@ -86,6 +91,7 @@ def _chunk_scan_backward_kernel(
     C,
     DK,
     DV,
+    PER_CHANNEL: tl.constexpr,
     BC: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -109,9 +115,13 @@ def _chunk_scan_backward_kernel(
         dv += tl.dot(kd, ds, input_precision="ieee")
         tl.store(du_ptr + chunk * C * DV + oc[:, None] * DV + ov[None, :], dv, mask=cv)
         state = tl.load(states_ptr + chunk * DK * DV + ok[:, None] * DV + ov[None, :], mask=kv, other=0.0)
-        tl.store(ddecay_ptr + i_v * H * NC + chunk, tl.sum(state * ds))
+        if PER_CHANNEL:
+            tl.store(ddecay_ptr + (i_v * H * NC + chunk) * DK + ok, tl.sum(state * ds, 1), mask=ok < DK)
+            decay = tl.load(decay_ptr + chunk * DK + ok, mask=ok < DK, other=0.0)[:, None]
+        else:
+            tl.store(ddecay_ptr + i_v * H * NC + chunk, tl.sum(state * ds))
+            decay = tl.load(decay_ptr + chunk)
         w = tl.load(w_ptr + chunk * C * DK + oc[:, None] * DK + ok[None, :], mask=ck, other=0.0)
-        decay = tl.load(decay_ptr + chunk)
         dstate = tl.load(dstates_ptr + chunk * DK * DV + ok[:, None] * DV + ov[None, :], mask=kv, other=0.0)
         ds = dstate + ds * decay - tl.dot(tl.trans(w), dv, input_precision="ieee")
         # The state entering a document's first chunk is 0, whatever the chunk before it left.
@@ -130,7 +140,8 @@ def chunk_scan(
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(states ``[H, NC, Dk, Dv]``, v_new ``[H, NC, C, Dv]``) fp32 for fp32 w, k_decayed ``[H, NC, C, Dk]``,
-    u ``[H, NC, C, Dv]``, chunk_decay ``[H, NC]`` and bool first ``[NC]`` (see ``scan_chunks``)."""
+    u ``[H, NC, C, Dv]``, chunk_decay ``[H, NC]`` (or ``[H, NC, Dk]``: one per row of the state) and bool first
+    ``[NC]`` (see ``scan_chunks``)."""
     h, nc, c, dk = w.shape
     dv = u.shape[-1]
     w, u, k_decayed, chunk_decay = (x.float().contiguous() for x in (w, u, k_decayed, chunk_decay))
@@ -155,6 +166,7 @@ def chunk_scan(
         c,
         dk,
         dv,
+        PER_CHANNEL=chunk_decay.dim() == 3,
         BC=bc,
         BK=bk,
         BV=bv,
@@ -176,7 +188,7 @@ def chunk_scan_backward(
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dS ``[H, NC, Dk, Dv]``: the gradient of the state leaving each chunk, du ``[H, NC, C, Dv]``,
-    dchunk_decay ``[H, NC]``) fp32, for ``chunk_scan``'s inputs w, k_decayed, chunk_decay, first, its output
+    dchunk_decay of chunk_decay's shape) fp32, for ``chunk_scan``'s inputs w, k_decayed, chunk_decay, first, its output
     states and the gradients of its outputs, dstates and dv_new."""
     h, nc, c, dk = w.shape
     dv = states.shape[-1]
@@ -186,10 +198,10 @@ def chunk_scan_backward(
     ds = w.new_empty(h, nc, dk, dv)
     du = w.new_empty(h, nc, c, dv)
     if h * nc == 0:
-        return ds, du, w.new_zeros(h, nc)
+        return ds, du, w.new_zeros(chunk_decay.shape)
     bc, bk, bv = max(16, next_power_of_2(c)), max(16, next_power_of_2(dk)), max(16, min(BV, next_power_of_2(dv)))
     blocks = cdiv(dv, bv)
-    ddecay = w.new_empty(blocks, h, nc)
+    ddecay = w.new_empty(blocks, *chunk_decay.shape)
     launch(
         _chunk_scan_backward_kernel,
         (h, blocks),
@@ -208,6 +220,7 @@ def chunk_scan_backward(
         c,
         dk,
         dv,
+        PER_CHANNEL=chunk_decay.dim() == 3,
         BC=bc,
         BK=bk,
         BV=bv,

@@ -47,12 +47,13 @@ def test_shipped_caches_hold_only_known_parameters():
 def test_every_tunable_grid_is_launchable_by_tune():
     """What ``tune`` iterates: an op with sizes to measure has a grid over its own parameters and a
     launcher in its family's bench module."""
-    from fastft.bench import delta_rule, packing, routing
+    from fastft.bench import delta_rule, packing, routing, ssd
 
     launchers = {
         **packing.tune_launchers(torch.device("cpu")),
         **routing.tune_launchers(torch.device("cpu")),
         **delta_rule.tune_launchers(torch.device("cpu")),
+        **ssd.tune_launchers(torch.device("cpu")),
     }
     for op, tunable in autotune.TUNABLES.items():
         assert set(tunable.grid) <= set(tunable.defaults), op

@@ -18,6 +18,7 @@ from fastft.delta_rule import (
     chunk_scan_op,
     chunk_table,
     gated_delta_rule,
+    pairwise,
     scan_chunks,
 )
 from fastft.reference import delta_rule as reference
@@ -84,10 +85,11 @@ def test_chunk_table_worked_example():
 # ---- the op against the reference ------------------------------------------------------------------------
 
 
-def random_inputs(g, b, t, h, dk, dv, device, dtype=torch.float32):
+def random_inputs(g, b, t, h, dk, dv, device, dtype=torch.float32, per_channel=False):
+    """q, k, v, g (log decay in (-2, 0], one per head or, ``per_channel``, per key channel), beta."""
     q, k = (torch.randn(b, t, h, dk, generator=g) for _ in range(2))
     v = torch.randn(b, t, h, dv, generator=g)
-    decay = -torch.rand(b, t, h, generator=g) * 2  # log decay in (-2, 0]
+    decay = -torch.rand((b, t, h, dk) if per_channel else (b, t, h), generator=g) * 2
     beta = torch.rand(b, t, h, generator=g)
     return [x.to(device, dtype).requires_grad_() for x in (q, k, v, decay, beta)]
 
@@ -113,28 +115,66 @@ def check_against_reference(info, inputs, c, backend, *, scale=None, use_qk_l2no
         assert_close_to(a, e, name)
 
 
-def check_from_position_ids(device, position_ids, c, dims, seed, backend):
+def check_from_position_ids(device, position_ids, c, dims, seed, backend, per_channel):
     if position_ids.numel() == 0:
         return  # test_no_tokens
     pos = position_ids.reshape(-1, position_ids.shape[-1]).to(device)
     info = fastft.packed_seq_info(position_ids=pos)
     g = torch.Generator().manual_seed(seed)
-    check_against_reference(info, random_inputs(g, *pos.shape, *dims, device), c, backend)
+    check_against_reference(info, random_inputs(g, *pos.shape, *dims, device, per_channel=per_channel), c, backend)
 
 
-CHUNK_SIZES = st.sampled_from([1, 2, 4, 8, 16])
+CHUNK_SIZES = st.sampled_from([1, 2, 3, 4, 8, 16])
 DIMS = st.sampled_from([(1, 4, 4), (2, 8, 4), (2, 4, 8)])
+PER_CHANNEL = st.booleans()  # g per head (Gated DeltaNet) or per key channel (Kimi Delta Attention)
 
 
-@given(testing.position_ids_strategy(max_rows=3, max_tokens=24), CHUNK_SIZES, DIMS, testing.seeds_strategy())
-def test_torch_matches_reference_from_position_ids(device, position_ids, c, dims, seed):
-    check_from_position_ids(device, position_ids, c, dims, seed, "torch")
+@given(
+    testing.position_ids_strategy(max_rows=3, max_tokens=24), CHUNK_SIZES, DIMS, testing.seeds_strategy(), PER_CHANNEL
+)
+def test_torch_matches_reference_from_position_ids(device, position_ids, c, dims, seed, per_channel):
+    check_from_position_ids(device, position_ids, c, dims, seed, "torch", per_channel)
 
 
 # Fewer tokens: the interpreter's scan costs milliseconds per chunk.
-@given(testing.position_ids_strategy(max_rows=2, max_tokens=16), CHUNK_SIZES, DIMS, testing.seeds_strategy())
-def test_triton_matches_reference_from_position_ids(device, position_ids, c, dims, seed):
-    check_from_position_ids(device, position_ids, c, dims, seed, "triton")
+@given(
+    testing.position_ids_strategy(max_rows=2, max_tokens=16), CHUNK_SIZES, DIMS, testing.seeds_strategy(), PER_CHANNEL
+)
+def test_triton_matches_reference_from_position_ids(device, position_ids, c, dims, seed, per_channel):
+    check_from_position_ids(device, position_ids, c, dims, seed, "triton", per_channel)
+
+
+@pytest.mark.parametrize("lengths, c", [([3, 1, 2, 7, 1], 8), ([21, 1, 9, 30, 2], 8), ([70, 1, 64, 33], 64)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_channel_decay_matches_reference(device, rng, lengths, c, backend):
+    """Kimi Delta Attention's decay per key channel, over documents shorter and longer than a chunk."""
+    info = fastft.packed_seq_info(seq_lengths=lengths, device=device)
+    check_against_reference(info, random_inputs(rng, 1, sum(lengths), 2, 8, 4, device, per_channel=True), c, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_channel_strong_decay_stays_finite(device, rng, backend):
+    """Channels that forget within a token or two (log decays to -40 a token, a chunk's total far below
+    fp32's exp range) next to channels that barely decay: finite, and equal to the reference."""
+    lengths = [40, 24]
+    info = fastft.packed_seq_info(seq_lengths=lengths, device=device)
+    q, k, v, g, beta = random_inputs(rng, 1, 64, 2, 8, 4, device, per_channel=True)
+    with torch.no_grad():
+        g[..., :4] *= 20
+        g[..., 4:] *= 0.01
+    check_against_reference(info, [q, k, v, g, beta], 32, backend)
+
+
+@pytest.mark.parametrize("c", [1, 2, 3, 5, 8, 16])
+def test_pairwise_matches_direct_sum(rng, c):
+    """``pairwise`` against the sum it stands for, in fp64, with decays strong enough that a factorization
+    through one reference point per chunk would overflow."""
+    a, b = (torch.randn(3, c, 6, generator=rng, dtype=torch.float64) for _ in range(2))
+    cum = -(torch.rand(3, c, 6, generator=rng, dtype=torch.float64) * 200).cumsum(-2)
+    direct = (a[:, :, None] * b[:, None] * (cum[:, :, None] - cum[:, None]).clamp(max=0).exp()).sum(-1).tril()
+    got = pairwise(a, b, cum)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, direct, rtol=1e-12, atol=1e-300)
 
 
 @pytest.mark.parametrize(
@@ -240,21 +280,23 @@ def test_no_tokens(device):
 # ---- the Triton scan over chunks against the torch loop ---------------------------------------------------
 
 
-def scan_inputs(g, h, nc, c, dk, dv, device, scale=0.3):
+def scan_inputs(g, h, nc, c, dk, dv, device, scale=0.3, per_channel=False):
     w, kd = (torch.randn(h, nc, c, dk, generator=g) * scale for _ in range(2))
     u = torch.randn(h, nc, c, dv, generator=g)
-    decay = torch.rand(h, nc, generator=g)
+    decay = torch.rand((h, nc, dk) if per_channel else (h, nc), generator=g)
     first = torch.rand(nc, generator=g) < 0.4  # documents start mid-way; the first chunk too or not
     return [x.to(device) for x in (w, u, kd, decay)], first.to(device)
 
 
 @pytest.mark.parametrize("h, nc, c, dk, dv", [(2, 5, 4, 8, 8), (2, 7, 16, 16, 24), (1, 3, 64, 32, 40), (1, 4, 3, 5, 7)])
-def test_triton_chunk_scan_matches_torch(device, rng, h, nc, c, dk, dv):
-    """Forward (states, v_new) and the gradients of w, u, k_decayed and chunk_decay for random gradients of
-    both outputs, against the torch loop and its autograd, fp32. Several programs per head (BV=16)."""
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_triton_chunk_scan_matches_torch(device, rng, h, nc, c, dk, dv, per_channel):
+    """Forward (states, v_new) and the gradients of w, u, k_decayed and chunk_decay (per head and chunk, or per
+    row of the state) for random gradients of both outputs, against the torch loop and its autograd, fp32.
+    Several programs per head (BV=16)."""
     from fastft.kernels import delta_rule as kernels
 
-    inputs, first = scan_inputs(rng, h, nc, c, dk, dv, device)
+    inputs, first = scan_inputs(rng, h, nc, c, dk, dv, device, per_channel=per_channel)
     inputs = [x.requires_grad_() for x in inputs]
     want = scan_chunks(*inputs, first)
     dstates, dv_new = (torch.randn(x.shape, generator=rng).to(device) for x in want)
@@ -271,7 +313,7 @@ def test_triton_chunk_scan_matches_torch(device, rng, h, nc, c, dk, dv):
     # rounding error scales with the sum of their magnitudes, not with the result.
     w, _, kd, decay = (x.detach() for x in inputs)
     ds = kernels.chunk_scan_backward(w, kd, decay, first, got[0], dstates, dv_new, BV=16)[0]
-    terms = (got[0].abs() * ds.abs()).sum((-1, -2)).max().item()
+    terms = (got[0].abs() * ds.abs()).sum((-1, -2) if decay.dim() == 2 else -1).max().item()
     err = (got_grads[3] - want_grads[3]).abs().max().item()
     assert got_grads[3].shape == decay.shape and err <= RTOL * terms + ATOL, f"dchunk_decay: {err:.3g} ({terms:.3g})"
 
@@ -319,6 +361,28 @@ def test_matches_transformers_on_each_document(device, rng):
                 theirs, _ = recurrent(*doc, use_qk_l2norm_in_kernel=True)
                 assert_close_to(ref[:, start : start + n], theirs, f"reference vs recurrent, document at {start}")
             start += n
+
+
+def test_per_channel_matches_kimi_on_each_document(device, rng):
+    """transformers' Kimi Delta Attention (``chunk_kimi_delta_attention``, and the recurrent form against the
+    reference) on each document alone, against both backends on the packed row."""
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    chunked = inspect.unwrap(kimi.chunk_kimi_delta_attention)  # the torch function, not fla's kernel
+    recurrent = inspect.unwrap(kimi.recurrent_kimi_delta_attention)
+    lengths = [40, 1, 16, 5]
+    info = fastft.packed_seq_info(seq_lengths=lengths, device=device)
+    inputs = random_inputs(rng, 1, sum(lengths), 2, 8, 6, device, per_channel=True)
+    ref = reference.gated_delta_rule(*inputs, info.position_ids, 8**-0.5, True)
+    outs = {backend: gated_delta_rule(*inputs, info, chunk_size=16, backend=backend) for backend in BACKENDS}
+    start = 0
+    for n in lengths:
+        doc = [x[:, start : start + n] for x in inputs]
+        theirs, _ = chunked(*doc, chunk_size=16, use_qk_l2norm_in_kernel=True)
+        for backend, out in outs.items():
+            assert_close_to(out[:, start : start + n], theirs, f"{backend}, chunked, document at {start}")
+        theirs, _ = recurrent(*doc, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+        assert_close_to(ref[:, start : start + n], theirs, f"reference vs recurrent, document at {start}")
+        start += n
 
 
 # ---- validation ------------------------------------------------------------------------------------------
@@ -438,6 +502,40 @@ def test_real_sizes_bf16_against_fp32(backend):
     exact = results(per_doc(fp32), fp32)
     with torch.no_grad():
         exact[0] = reference.gated_delta_rule(*fp32, info.position_ids, 128**-0.5, True)
+    for name, a, s, e in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), ours, theirs, exact):
+        err, stock_err = (a.float() - e).abs().max().item(), (s.float() - e).abs().max().item()
+        assert err <= 2 * stock_err + 1e-3 * e.abs().max().item(), f"{name}: {err:.3g} vs stock {stock_err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_channel_real_sizes_bf16_against_kimi(backend):
+    """Kimi-Linear's widths (32 heads of 128, a decay per key channel, chunk 64), T=4096 in a few documents,
+    bf16 inputs: the output and every gradient against transformers' torch ``chunk_kimi_delta_attention`` on
+    each document alone in fp32 on the same bf16 values; fastft's error within 2x that of transformers' own
+    bf16 run, plus 1e-3 of the largest value."""
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    stock = inspect.unwrap(kimi.chunk_kimi_delta_attention)
+    device = torch.device("cuda")
+    lengths = [1500, 1, 64, 1000, 127, 1404]
+    t = sum(lengths)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    info = fastft.packed_seq_info(seq_lengths=lengths, device=device)
+    inputs = random_inputs(torch.Generator().manual_seed(0), 1, t, 32, 128, 128, device, torch.bfloat16, True)
+    w = torch.randn(1, t, 32, 128, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def per_doc(xs):
+        return torch.cat(
+            [stock(*(x[:, s : s + n] for x in xs), use_qk_l2norm_in_kernel=True)[0] for s, n in zip(starts, lengths)], 1
+        )
+
+    def results(out, xs):
+        return [out.detach().float(), *torch.autograd.grad((out.float() * w).sum(), xs)]
+
+    ours = results(gated_delta_rule(*inputs, info, backend=backend), inputs)
+    theirs = results(per_doc(inputs), inputs)
+    fp32 = [x.detach().float().requires_grad_() for x in inputs]
+    exact = results(per_doc(fp32), fp32)
     for name, a, s, e in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), ours, theirs, exact):
         err, stock_err = (a.float() - e).abs().max().item(), (s.float() - e).abs().max().item()
         assert err <= 2 * stock_err + 1e-3 * e.abs().max().item(), f"{name}: {err:.3g} vs stock {stock_err:.3g}"

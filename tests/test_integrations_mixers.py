@@ -1,6 +1,7 @@
-"""Token mixers besides attention in packed batches: apply makes Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-Hybrid) and
-LFM2's short convolutions packing-correct, and refuses every other transformers family whose layers mix tokens
-outside attention, found from the config, the modules and their names."""
+"""Token mixers besides attention in packed batches: apply makes Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-Hybrid),
+Kimi Delta Attention (Kimi-Linear), Mamba-2 (Bamba, Granite-4.0-H, Falcon-H1, Nemotron-H, Zamba2), Jamba's Mamba,
+MiniMax's lightning attention and LFM2's short convolutions packing-correct, and refuses every other transformers
+family whose layers mix tokens outside attention, found from the config, the modules and their names."""
 
 import re
 
@@ -14,27 +15,22 @@ from fastft.integrations.transformers import apply, mixers, revert, use_packed_a
 # transformers 5.17's causal-LM families whose layers mix tokens outside attention (or with attention kinds
 # fastft does not implement), each built from its default config on the meta device (no memory)
 REFUSED = {
-    "bamba": "BambaMixer",
-    "falcon_h1": "FalconH1Mixer",
     "falcon_mamba": "FalconMambaMixer",
-    "granitemoehybrid": "GraniteMoeHybridMambaLayer",
-    "jamba": "JambaMambaMixer",
-    "kimi_linear": "KimiLinearDeltaAttention",
     "mamba": "MambaMixer|Mamba",  # Mamba: fla's, once flash-linear-attention registers its models over these
-    "mamba2": "Mamba2Mixer|Mamba2",
-    "minimax": "MiniMaxLightningAttention",
-    "nemotron_h": "NemotronHMamba2Mixer",
+    "mamba2": "Mamba2Mixer|Mamba2",  # its decoder stack takes no position_ids
     "recurrent_gemma": "RecurrentGemmaRecurrentBlock",
     "rwkv": "RwkvSelfAttention",
     "xlstm": "xlstm",
-    "zamba2": "Zamba2MambaMixer",
     "llama4_text": "chunked_attention",
     "bart": "BartDecoderWrapper",  # positions from the token count, not position_ids
     "deepseek_v32": "deepseek_sparse_attention|indexed_attention",  # its layer type, renamed in 5.24
 }
 ATTENTION_ONLY = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "gemma2", "olmo3", "glm4_moe", "mistral")
 # families whose mixers fastft makes packing-correct (their default configs hold such layers)
-SUPPORTED = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid")
+SUPPORTED = (
+    "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "kimi_linear", "bamba", "granitemoehybrid",
+    "falcon_h1", "nemotron_h", "zamba2", "jamba", "minimax",
+)  # fmt: skip
 
 
 def meta_model(model_type: str, **fields):
@@ -142,11 +138,42 @@ HYBRIDS = {
         moe_intermediate_size=16,
         shared_expert_intermediate_size=16,
     ),
-}
-UNSUPPORTED = {
-    "granitemoehybrid": dict(
-        layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8
+    # Kimi-Linear's attention layers (MLA) with the value head dim of the queries' (16)
+    "kimi_linear": dict(
+        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"], linear_num_heads=2,
+        linear_head_dim=8, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
     ),
+    # Mamba-2: 4 heads of 16 (the stock chunk of 4 tokens, so that documents span chunks)
+    "bamba": dict(
+        attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4
+    ),
+    "granitemoehybrid": dict(
+        layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
+        mamba_chunk_size=4, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16,
+    ),
+    "falcon_h1": dict(
+        mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4
+    ),
+    "nemotron_h": dict(
+        hybrid_override_pattern="M*", layers_block_type=None, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8,
+        n_groups=2, chunk_size=4,
+    ),
+    "zamba2": dict(
+        layers_block_type=["mamba", "hybrid"], mamba_d_state=8, n_mamba_heads=4, mamba_headdim=16,
+        attention_head_dim=16, chunk_size=4, num_mem_blocks=1,
+    ),
+    "jamba": dict(
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+        mamba_d_state=4, mamba_dt_rank=4, use_mamba_kernels=False,
+    ),
+    "minimax": dict(
+        layer_types=["linear_attention", "full_attention"], block_size=4, num_local_experts=4, num_experts_per_tok=2
+    ),
+}  # fmt: skip
+UNSUPPORTED = {
+    "mamba2": dict(num_heads=4, head_dim=16, state_size=8, n_groups=1, expand=2, chunk_size=4),
     "falcon_mamba": dict(state_size=8, expand=2, conv_kernel=4),
 }
 
@@ -162,6 +189,38 @@ def test_apply_refuses_packing_and_changes_nothing(model_type):
     assert model.config._attn_implementation == before
     assert "_fastft_state" not in model.__dict__ or not model.__dict__["_fastft_state"]
     apply(model, packing=False, offload_checkpointing=False)  # padded batches stay correct: allowed
+
+
+def test_a_mixer_that_calls_a_fused_kernel_fastft_does_not_replace_is_refused(monkeypatch):
+    """A Mamba mixer whose forward calls mamba_ssm's fused kernels itself (a call fastft does not replace) is
+    refused, not trained across documents."""
+    model = tiny("bamba", **HYBRIDS["bamba"])
+    mixer = model.model.layers[0].mamba
+    assert mixers.supported(mixer)
+    monkeypatch.setattr(mixers, "UNHANDLED_CALLS", re.compile(r"mamba2_chunk_scan\("))
+    with pytest.raises(ValueError, match=r"\bBambaMixer\b"):
+        apply(model)
+
+
+def test_lightning_attention_whose_source_changed_is_refused(monkeypatch):
+    """fastft replaces MiniMax's lightning-attention forward: a transformers release whose forward computes
+    something else (a line fastft's forward reproduces is gone) is refused."""
+    model = tiny("minimax", **HYBRIDS["minimax"])
+    assert mixers.supported(model.model.layers[0].self_attn)
+    lines = mixers.FORWARD_SOURCE["MiniMaxLightningAttention"]
+    monkeypatch.setitem(mixers.FORWARD_SOURCE, "MiniMaxLightningAttention", (*lines, "attn_output = attn_output * 2"))
+    with pytest.raises(ValueError, match=r"\bMiniMaxLightningAttention\b"):
+        apply(model)
+
+
+def test_jamba_whose_decoder_layer_changed_is_refused(monkeypatch):
+    """Jamba's mixer calls its scan without keyword arguments: fastft hands it the batch's info from the decoder
+    layer around it, and refuses the mixer if that layer no longer calls it."""
+    model = tiny("jamba", **HYBRIDS["jamba"])
+    assert mixers.supported(model.model.layers[0].mamba)
+    monkeypatch.setitem(mixers.CONTEXT_LAYERS, "JambaMambaMixer", ("JambaMambaDecoderLayer", re.compile("no such")))
+    with pytest.raises(ValueError, match=r"\bJambaMambaMixer\b"):
+        apply(model)
 
 
 def test_a_new_family_is_caught_by_its_modules():
@@ -214,7 +273,8 @@ def step(model, ids, pos):
 
 
 @pytest.mark.parametrize(
-    "model_type, graphs", [(m, False) for m in sorted(HYBRIDS)] + [("qwen3_5_text", True), ("lfm2", True)]
+    "model_type, graphs",
+    [(m, False) for m in sorted(HYBRIDS)] + [(m, True) for m in ("qwen3_5_text", "lfm2", "jamba")],
 )
 @pytest.mark.usefixtures("transformers_torch_delta_rule")
 def test_packed_equals_each_document_alone(model_type, graphs, rng, device):
@@ -253,16 +313,18 @@ def model_state_records(model) -> set:
     return set(model_state(model).records)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "jamba", "minimax"])
 @pytest.mark.usefixtures("transformers_torch_delta_rule")
-def test_another_model_of_the_family_keeps_transformers_path(rng, device):
-    """fastft replaces functions of the family's modeling module: a model without fastft still runs them as
-    transformers wrote them (leaking, as stock does), before and after revert of the one with fastft."""
-    plain = tiny("qwen3_5_text", rng, **HYBRIDS["qwen3_5_text"]).to(device)
+def test_another_model_of_the_family_keeps_transformers_path(rng, device, model_type):
+    """fastft replaces functions of the family's modeling module (or a class's forward): a model without fastft
+    still runs them as transformers wrote them (leaking, as stock does), before and after revert of the one with
+    fastft."""
+    plain = tiny(model_type, rng, **HYBRIDS[model_type]).to(device)
     ids, pos, _ = documents(rng, plain.config.vocab_size, device=device)
     patched = patch_counts()
     with torch.no_grad():
         expected = plain(input_ids=ids, position_ids=pos, use_cache=False).logits
-        fast = apply(tiny("qwen3_5_text", rng, **HYBRIDS["qwen3_5_text"]).to(device), offload_checkpointing=False)
+        fast = apply(tiny(model_type, rng, **HYBRIDS[model_type]).to(device), offload_checkpointing=False)
         torch.testing.assert_close(plain(input_ids=ids, position_ids=pos, use_cache=False).logits, expected)
         fast(input_ids=ids, position_ids=pos, use_cache=False)
         revert(fast)

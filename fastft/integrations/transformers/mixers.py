@@ -18,8 +18,10 @@ packing-correct, and fastft's ops in the mixers it can.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import inspect
+import math
 import re
 import sys
 
@@ -28,13 +30,17 @@ import torch
 from ...conv import packed_conv1d
 from ...delta_rule import gated_delta_rule
 from ...packing import PackedSeqInfo
+from ...selective_scan import packed_selective_scan
+from ...ssd import packed_ssd_scan
 from ..models import PACKED_INFO_KWARG, decoder_stack, model_state, transformers_model
 
 # layer_types fastft makes packing-correct: attention through the registry, per-token MLP kinds, and the
 # kinds of the mixers below (which ``check_packing`` then finds module by module)
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
 MLP_LAYER_TYPES = frozenset({"dense", "sparse", "moe", "mlp", "hash_moe"})
-MIXER_LAYER_TYPES = frozenset({"linear_attention", "conv"})
+MIXER_LAYER_TYPES = frozenset({"linear_attention", "conv", "mamba", "hybrid"})
+# Nemotron-H's hybrid_override_pattern letters: Mamba-2 (module by module, as above), attention, MLP, MoE
+HYBRID_PATTERN_LETTERS = frozenset("M*-E")
 # parameters only recurrent mixers hold: Mamba/Mamba-2 and Gated DeltaNet decays, RWKV's time decay
 STATE_PARAMETERS = frozenset({"A_log", "dt_bias", "time_decay", "time_faaaa", "time_first"})
 MIXER_NAMES = re.compile(
@@ -45,12 +51,19 @@ MIXER_NAMES = re.compile(
 WHAT_TO_DO = (
     "fastft cannot keep documents apart there yet, so packed training would carry state or positions from one "
     "document into the next: train without packing (apply(model, packing=False) and padded batches), or a model "
-    "whose layers fastft supports (attention, Gated DeltaNet, LFM2's short convolutions)"
+    "whose layers fastft supports (attention, Gated DeltaNet, Kimi Delta Attention, Mamba-2 and Jamba's Mamba, "
+    "MiniMax's lightning attention, LFM2's short convolutions)"
 )
 
 CONV_FN = "causal_conv1d_fn"
 DELTA_RULE_FN = "torch_chunk_gated_delta_rule"
-# mixer class -> (the functions of its modeling module fastft replaces, the source each call must have)
+KDA_FN = "chunk_kimi_delta_attention"
+SSD_FN = "mamba2_chunk_scan"
+FUSED_SSD_FN = "mamba2_split_conv1d_scan_combined"  # mamba_ssm's fused kernel where installed, else None
+SELECTIVE_SCAN_FN = "mamba_selective_scan"
+FORWARD = "forward"  # the mixer class's own forward, replaced where no function of its module does the mixing
+MAMBA2 = (CONV_FN, FUSED_SSD_FN, SSD_FN)
+# mixer class -> the functions of its modeling module fastft replaces (or FORWARD)
 SUPPORTED = {
     "Qwen3_5GatedDeltaNet": (CONV_FN, DELTA_RULE_FN),
     "Qwen3_5MoeGatedDeltaNet": (CONV_FN, DELTA_RULE_FN),
@@ -58,11 +71,50 @@ SUPPORTED = {
     "OlmoHybridGatedDeltaNet": (CONV_FN, DELTA_RULE_FN),
     "Lfm2ShortConv": (CONV_FN,),
     "Lfm2MoeShortConv": (CONV_FN,),
+    "KimiLinearDeltaAttention": (CONV_FN, KDA_FN),
+    "BambaMixer": MAMBA2,
+    "GraniteMoeHybridMambaLayer": MAMBA2,
+    "FalconH1Mixer": MAMBA2,
+    "NemotronHMamba2Mixer": MAMBA2,
+    "Zamba2MambaMixer": MAMBA2,
+    "JambaMambaMixer": (CONV_FN, SELECTIVE_SCAN_FN),
+    "MiniMaxLightningAttention": (FORWARD,),
 }
-# the calls' text in the mixer's forward: the batch's info reaches them through **kwargs, or LFM2's seq_idx
+# the calls' text in the mixer's forward: the batch's info reaches them through **kwargs, or LFM2's seq_idx, or
+# (a mixer of CONTEXT_LAYERS, whose calls get no keyword arguments) the info its decoder layer holds
 CALLS = {
     CONV_FN: re.compile(r"causal_conv1d_fn\((?:[^()]|\([^()]*\))*(\*\*kwargs|seq_idx=seq_idx)"),
     DELTA_RULE_FN: re.compile(r"torch_chunk_gated_delta_rule\((?:[^()]|\([^()]*\))*\*\*kwargs"),
+    KDA_FN: re.compile(r"chunk_kimi_delta_attention\((?:[^()]|\([^()]*\))*\*\*kwargs"),
+    SSD_FN: re.compile(r"mamba2_chunk_scan\((?:[^()]|\([^()]*\))*\*\*kwargs"),
+    FUSED_SSD_FN: re.compile(
+        r"fused_kwargs = kwargs \|(?s:.)*mamba2_split_conv1d_scan_combined\((?:[^()]|\([^()]*\))*\*\*fused_kwargs"
+    ),
+    SELECTIVE_SCAN_FN: re.compile(r"mamba_selective_scan\("),
+}
+# mixer class -> its decoder layer class (same modeling module), which holds the batch's info while it runs: the
+# layer hands the mixer no keyword arguments
+CONTEXT_LAYERS = {"JambaMambaMixer": ("JambaMambaDecoderLayer", re.compile(r"self\.mamba\("))}
+# calls a supported mixer's forward must not make: fused kernels fastft does not replace (mamba_ssm's, where installed)
+UNHANDLED_CALLS = re.compile(r"\b(mamba_inner_fn|mamba_split_conv1d_scan_combined|selective_scan_fn)\(")
+# classes whose forward fastft replaces: the lines of transformers' source (the class's) that fastft's forward
+# computes again; each must still be there
+FORWARD_SOURCE = {
+    "MiniMaxLightningAttention": (
+        "qkv_states = self.act_fn(self.qkv_proj(hidden_states))",
+        "qkv_states = apply_mask_to_padding_states(qkv_states, attention_mask)",
+        "qkv_states = qkv_states.reshape(batch_size, seq_len, self.num_attention_heads, 3 * self.head_dim)",
+        "query_states, key_states, value_states = torch.split(qkv_states, self.head_dim, dim=3)",
+        "diagonal_decay = slope_rate * diagonal_decay",
+        "attn_weights_intra = torch.matmul(current_query_states, current_key_states.transpose(-1, -2))",
+        "attn_output_intra = torch.matmul(attn_weights_intra * current_diagonal_decay, current_value_states)",
+        "attn_output_inter = torch.matmul(current_query_states * current_query_decay, attn_weights_inter)",
+        "attn_weights_inter = attn_weights_inter * block_decay + next_attn_weights_inter",
+        "attn_output = attn_output.reshape(batch_size, seq_len, self.num_attention_heads * self.head_dim)",
+        "attn_output = self.norm(attn_output)",
+        "attn_output = F.sigmoid(self.output_gate(hidden_states)) * attn_output",
+        "attn_output = self.out_proj(attn_output)",
+    ),
 }
 
 
@@ -102,8 +154,9 @@ def _config_blockers(model) -> list[Blocker]:
                 if kind not in ATTENTION_LAYER_TYPES | MLP_LAYER_TYPES | MIXER_LAYER_TYPES:
                     found.append(Blocker(f"config.{name}", kind, f"layer type {kind!r}"))
     pattern = getattr(config, "hybrid_override_pattern", None)  # Nemotron-H: M = Mamba-2, * = attention
-    if isinstance(pattern, str) and "M" in pattern:
-        found.append(Blocker("config.hybrid_override_pattern", pattern, "Mamba-2 layers ('M')"))
+    if isinstance(pattern, str) and set(pattern) - HYBRID_PATTERN_LETTERS:
+        letters = "".join(sorted(set(pattern) - HYBRID_PATTERN_LETTERS))
+        found.append(Blocker("config.hybrid_override_pattern", pattern, f"layers of kinds {letters!r}"))
     return found
 
 
@@ -152,16 +205,37 @@ def _module_blockers(model) -> list[Blocker]:
 def supported(module: torch.nn.Module) -> bool:
     """Whether fastft makes ``module`` (a mixer ``packing_blockers`` finds) packing-correct: a class of
     ``SUPPORTED`` whose modeling module defines the functions fastft replaces and whose forward calls them
-    with the batch's keyword arguments."""
-    names = SUPPORTED.get(type(module).__name__)
-    namespace = sys.modules.get(type(module).__module__)
-    if names is None or namespace is None or not all(callable(getattr(namespace, n, None)) for n in names):
+    with the batch's keyword arguments (or, for ``CONTEXT_LAYERS``, whose decoder layer gets them), and calls
+    no fused kernel fastft does not replace; or a class whose forward fastft replaces, whose source still
+    computes what fastft's forward computes (``FORWARD_SOURCE``)."""
+    cls = type(module)
+    names = SUPPORTED.get(cls.__name__)
+    namespace = sys.modules.get(cls.__module__)
+    if names is None or namespace is None:
+        return False
+    functions = [n for n in names if n != FORWARD]
+    if not all(callable(getattr(namespace, n, None)) for n in functions):
         return False
     try:
-        source = inspect.getsource(type(module).forward)
+        source = inspect.getsource(cls.forward)
+        if FORWARD in names:  # the batch's info must reach the forward, which must compute what fastft's does
+            class_source = inspect.getsource(cls)
+            if not _takes_kwargs(cls.forward) or not all(line in class_source for line in FORWARD_SOURCE[cls.__name__]):
+                return False
+        context = CONTEXT_LAYERS.get(cls.__name__)
+        if context is not None:  # the decoder layer gets the info and calls the mixer
+            layer = getattr(namespace, context[0], None)
+            if not isinstance(layer, type) or not _takes_kwargs(layer.forward):
+                return False
+            if not context[1].search(inspect.getsource(layer.forward)):
+                return False
     except (OSError, TypeError):
         return False
-    return all(CALLS[n].search(source) for n in names)
+    return not UNHANDLED_CALLS.search(source) and all(CALLS[n].search(source) for n in functions)
+
+
+def _takes_kwargs(fn) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
 
 
 def packing_blockers(model) -> list[Blocker]:
@@ -208,7 +282,7 @@ def _conv_fn(original):
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         """transformers' ``causal_conv1d_fn`` (``[B, C, T]`` in and out) restarting at every document of the
         batch's ``PackedSeqInfo`` (``fastft.packed_conv1d``); transformers' own without one."""
-        info = kwargs.get(PACKED_INFO_KWARG)
+        info = kwargs.get(PACKED_INFO_KWARG, _LAYER_INFO.get())
         if info is None and isinstance(kwargs.get("seq_idx"), PackedSeqInfo):  # LFM2: its only per-batch argument
             info = kwargs["seq_idx"]
         if info is None:
@@ -262,23 +336,225 @@ def _delta_rule_fn(original):
     return torch_chunk_gated_delta_rule
 
 
-REPLACEMENTS = {CONV_FN: _conv_fn, DELTA_RULE_FN: _delta_rule_fn}
-_patched: dict = {}  # (modeling module name, function name) -> _Patch
+# The batch's info while a decoder layer of CONTEXT_LAYERS runs (its mixer's calls get no keyword arguments).
+_LAYER_INFO: contextvars.ContextVar = contextvars.ContextVar("fastft_layer_info", default=None)
+
+
+def _kda_fn(original):
+    def chunk_kimi_delta_attention(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size=64,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        **kwargs,
+    ):
+        """transformers' ``chunk_kimi_delta_attention`` (a decay per key channel) with the state reset at every
+        document of the batch's ``PackedSeqInfo`` (``fastft.gated_delta_rule``); transformers' own without one."""
+        info = kwargs.get(PACKED_INFO_KWARG)
+        if info is None:
+            return original(
+                query,
+                key,
+                value,
+                g,
+                beta,
+                chunk_size=chunk_size,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                **kwargs,
+            )
+        _no_cache(initial_state, output_final_state)
+        return gated_delta_rule(query, key, value, g, beta, info, use_qk_l2norm=use_qk_l2norm_in_kernel), None
+
+    chunk_kimi_delta_attention.__wrapped__ = original
+    return chunk_kimi_delta_attention
+
+
+def _ssd_fn(original):
+    def mamba2_chunk_scan(
+        hidden_states,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D=None,
+        dt_bias=None,
+        initial_states=None,
+        dt_softplus=False,
+        dt_limit=(0.0, math.inf),
+        return_final_states=False,
+        **kwargs,
+    ):
+        """transformers' ``mamba2_chunk_scan`` (Mamba-2) with the state reset at every document of the batch's
+        ``PackedSeqInfo`` (``fastft.packed_ssd_scan``); transformers' own without one."""
+        info = kwargs.get(PACKED_INFO_KWARG)
+        if info is None:
+            return original(
+                hidden_states,
+                dt,
+                A,
+                B,
+                C,
+                chunk_size,
+                D=D,
+                dt_bias=dt_bias,
+                initial_states=initial_states,
+                dt_softplus=dt_softplus,
+                dt_limit=dt_limit,
+                return_final_states=return_final_states,
+                **kwargs,
+            )
+        _no_cache(initial_states, return_final_states)
+        return packed_ssd_scan(
+            hidden_states, dt, A, B, C, info, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
+            z=kwargs.get("z"),
+        )  # fmt: skip
+
+    mamba2_chunk_scan.__wrapped__ = original
+    return mamba2_chunk_scan
+
+
+def _fused_ssd_fn(original):
+    def mamba2_split_conv1d_scan_combined(*args, **kwargs):
+        """None (the mixer then takes its unfused path, whose convolution and scan fastft replaces) in a packed
+        batch; transformers' own (mamba_ssm's fused kernel where installed, else None) otherwise."""
+        if kwargs.get(PACKED_INFO_KWARG) is not None:
+            return None
+        return original(*args, **kwargs)
+
+    mamba2_split_conv1d_scan_combined.__wrapped__ = original
+    return mamba2_split_conv1d_scan_combined
+
+
+def _selective_scan_fn(original):
+    def mamba_selective_scan(
+        hidden_states,
+        dt,
+        A,
+        B,
+        C,
+        D=None,
+        z=None,
+        delta_bias=None,
+        delta_softplus=False,
+        return_last_state=False,
+        use_mambapy=False,
+        use_associative_scan=False,
+        **kwargs,
+    ):
+        """transformers' ``mamba_selective_scan`` (Mamba-1) with the state reset at every document of the batch's
+        ``PackedSeqInfo`` (``fastft.packed_selective_scan``); transformers' own without one."""
+        info = kwargs.get(PACKED_INFO_KWARG, _LAYER_INFO.get())
+        if info is None:
+            return original(
+                hidden_states,
+                dt,
+                A,
+                B,
+                C,
+                D=D,
+                z=z,
+                delta_bias=delta_bias,
+                delta_softplus=delta_softplus,
+                return_last_state=return_last_state,
+                use_mambapy=use_mambapy,
+                use_associative_scan=use_associative_scan,
+                **kwargs,
+            )
+        _no_cache(output_final_state=return_last_state)
+        return packed_selective_scan(
+            hidden_states, dt, A, B, C, info, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus
+        )
+
+    mamba_selective_scan.__wrapped__ = original
+    return mamba_selective_scan
+
+
+def _layer_forward(original):
+    def forward(self, *args, **kwargs):
+        """transformers' decoder-layer forward, holding the batch's ``PackedSeqInfo`` (where it has one) for the
+        replaced functions its mixer calls without keyword arguments."""
+        info = kwargs.get(PACKED_INFO_KWARG)
+        if info is None:
+            return original(self, *args, **kwargs)
+        token = _LAYER_INFO.set(info)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _LAYER_INFO.reset(token)
+
+    forward.__wrapped__ = original
+    return forward
+
+
+def _lightning_forward(original):
+    signature = inspect.signature(original)
+
+    def forward(self, *args, **kwargs):
+        """MiniMax's lightning attention (linear attention with a decay per head, Mamba-2's scan with dt = 1,
+        A = -slope, B = keys, C = queries, x = values) with the state reset at every document of the batch's
+        ``PackedSeqInfo`` (``fastft.packed_ssd_scan``); transformers' own forward without one."""
+        info = kwargs.get(PACKED_INFO_KWARG)
+        if info is None:
+            return original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs).arguments
+        _no_cache(cache=bound.get("past_key_values", bound.get("cache")))
+        hidden_states = bound["hidden_states"]
+        batch_size, seq_len, _ = hidden_states.shape
+        heads = self.num_attention_heads
+        qkv_states = self.act_fn(self.qkv_proj(hidden_states))
+        qkv_states = sys.modules[type(self).__module__].apply_mask_to_padding_states(
+            qkv_states, bound.get("attention_mask")
+        )
+        qkv_states = qkv_states.reshape(batch_size, seq_len, heads, 3 * self.head_dim)
+        query_states, key_states, value_states = torch.split(qkv_states, self.head_dim, dim=3)
+        steps = value_states.new_ones(batch_size, seq_len, heads)
+        decay_rate = -self.slope_rate.reshape(heads)
+        attn_output = packed_ssd_scan(value_states, steps, decay_rate, key_states, query_states, info)
+        attn_output = attn_output.reshape(batch_size, seq_len, heads * self.head_dim)
+        attn_output = self.norm(attn_output)
+        attn_output = torch.sigmoid(self.output_gate(hidden_states)) * attn_output
+        return self.out_proj(attn_output), None
+
+    forward.__wrapped__ = original
+    return forward
+
+
+REPLACEMENTS = {
+    CONV_FN: _conv_fn,
+    DELTA_RULE_FN: _delta_rule_fn,
+    KDA_FN: _kda_fn,
+    SSD_FN: _ssd_fn,
+    FUSED_SSD_FN: _fused_ssd_fn,
+    SELECTIVE_SCAN_FN: _selective_scan_fn,
+}
+FORWARDS = {"MiniMaxLightningAttention": _lightning_forward, "JambaMambaDecoderLayer": _layer_forward}
+# (modeling module name, function name) or (module name, class name, "forward") -> _Patch
+_patched: dict = {}
 
 
 @dataclasses.dataclass
 class _Patch:
-    original: object  # the module's function that fastft's wraps
+    original: object  # the module's function (or the class's forward) that fastft's wraps
     models: int  # live models using fastft's
-    replacement: object  # fastft's function, as set on the module
+    replacement: object  # fastft's function, as set on the module (or class)
 
 
-def _replace(namespace, name: str):
-    key = (namespace.__name__, name)
+def _replace(namespace, name: str, make=None):
+    """Replace ``namespace.name`` (a modeling module's function, or with ``make`` a class's forward) by fastft's,
+    once for all the models that use it; returns the undo of this model's use."""
+    key = (namespace.__name__, name) if make is None else (namespace.__module__, namespace.__name__, name)
     patch = _patched.setdefault(key, _Patch(None, 0, None))
     current = getattr(namespace, name)
     if current is not patch.replacement:  # first use, or the module's function was set anew since (a reload)
-        patch.original, patch.replacement = current, REPLACEMENTS[name](current)
+        patch.original, patch.replacement = current, (make or REPLACEMENTS[name])(current)
         setattr(namespace, name, patch.replacement)
     patch.models += 1
 
@@ -311,8 +587,17 @@ def use_packed_mixers(model):
     mixers = [m for m in _language_model(inner).modules() if type(m).__name__ in SUPPORTED and supported(m)]
     if not mixers:
         return model
-    namespaces = {type(m).__module__: SUPPORTED[type(m).__name__] for m in mixers}
-    restores = [_replace(sys.modules[mod], name) for mod, names in namespaces.items() for name in names]
+    restores = []
+    for cls in dict.fromkeys(type(m) for m in mixers):
+        namespace = sys.modules[cls.__module__]
+        for name in SUPPORTED[cls.__name__]:
+            if name == FORWARD:
+                restores.append(_replace(cls, name, FORWARDS[cls.__name__]))
+            else:
+                restores.append(_replace(namespace, name))
+        if cls.__name__ in CONTEXT_LAYERS:
+            layer = getattr(namespace, CONTEXT_LAYERS[cls.__name__][0])
+            restores.append(_replace(layer, FORWARD, FORWARDS[layer.__name__]))
     hook = decoder_stack(model).register_forward_pre_hook(_prepare_mixers, with_kwargs=True)
 
     def undo():

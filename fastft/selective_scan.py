@@ -1,0 +1,286 @@
+"""Mamba-1's selective scan over packed documents (Jamba).
+
+``packed_selective_scan(u, delta, A, B, C, info, ...)`` is transformers 5.17's ``mamba_selective_scan`` (and
+mamba_ssm's ``selective_scan_fn``) with the state reset to 0 at every document of ``info``: on a row that holds
+one document it computes the same thing; on a packed row no document sees the state of the one before it. The
+specification is the token-by-token loop in ``fastft/reference/selective_scan.py``.
+
+The scan runs chunk-parallel on the chunk layout of ``fastft.delta_rule.chunk_table`` (no chunk spans two
+documents): the state each chunk leaves from a zero entering state, then the entering states carried over the
+chunks (zeroed where a chunk starts a document: ``fastft.ssd``'s scan over chunks, with a decay per element of
+the ``[Dm, N]`` state), then each chunk again from its entering state, giving the outputs. Backends: ``triton``
+(``selective_scan_op``, ``kernels/selective_scan.py``: three kernels forward, three backward, the backward
+rerunning the first two steps rather than keeping their ``[chunks, Dm, N]`` results) and ``torch`` (the same
+steps with a Python loop over the positions in a chunk, all chunks at once, and autograd for the backward: it
+keeps every token's ``[Dm, N]`` state for the backward, as transformers' own path does).
+
+GPU syncs: none when ``info`` came from host lengths / ``cu_seqlens``; from device position ids, the one
+``PackedSeqInfo`` makes when ``num_seqs`` is first read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import autotune, dispatch
+from ._checks import bool_arg, int_arg
+from ._custom_op import custom_op
+from .delta_rule import MAX_CHUNK_SIZE, ChunkTable, chunk_table
+from .packing import PackedSeqInfo
+from .ssd import OP_SCAN as OP_STATE_SCAN
+from .ssd import OP_SCAN_BACKWARD as OP_STATE_SCAN_BACKWARD
+from .ssd import scan_states
+
+__all__ = ["packed_selective_scan", "selective_scan_op"]
+
+OP = dispatch.register("selective_scan.scan")
+# Launch parameters only; dispatched with the forward.
+OP_BACKWARD = "selective_scan.scan_backward"
+# Keyed by u's elements (T * Dm). Defaults: 64 channels per program; ``tune`` measures Jamba's widths (Dm = 8192,
+# N = 16) at T=8192 and 32768. The interpreter's 16: few programs (each costs the interpreter milliseconds), and
+# tests/test_selective_scan.py's widest inputs span two.
+autotune.register(
+    OP,
+    autotune.Tunable(
+        {"BD": 64, "num_warps": 4},
+        sizes=(8192 * 8192, 32768 * 8192),
+        grid={"BD": (16, 32, 64, 128), "num_warps": (1, 2, 4, 8)},
+        interpreter={"BD": 16},
+    ),
+)
+autotune.register(
+    OP_BACKWARD,
+    autotune.Tunable(
+        {"BD": 32, "num_warps": 4, "PROGRAMS_PER_SM": 8},
+        sizes=(8192 * 8192, 32768 * 8192),
+        grid={"BD": (16, 32, 64), "num_warps": (1, 2, 4, 8), "PROGRAMS_PER_SM": (4, 8, 16)},
+        interpreter={"BD": 16, "PROGRAMS_PER_SM": 1},
+    ),
+)
+
+
+def _tensor(name, value, device, shape=None, what=None):
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
+    if not value.dtype.is_floating_point:
+        raise ValueError(f"{name} must have a floating dtype, got {value.dtype}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but u is on {device}")
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name} must be {what} = {tuple(shape)}, got {tuple(value.shape)}")
+
+
+def _check(u, delta, A, B, C, info, D, z, delta_bias, delta_softplus, chunk_size, backend):
+    """Every argument check; returns (chunk_size, the backend)."""
+    _tensor("u", u, getattr(u, "device", None))
+    if u.dim() != 3 or u.shape[1] == 0:
+        raise ValueError(f"u must be [B, Dm, T] with Dm >= 1, got shape {tuple(u.shape)}")
+    b, dm, t = u.shape
+    _tensor("delta", delta, u.device, u.shape, "u's shape [B, Dm, T]")
+    _tensor("A", A, u.device)
+    if A.dim() != 2 or A.shape[0] != dm or A.shape[1] == 0:
+        raise ValueError(f"A must be [Dm, N] with Dm = {dm} and N >= 1, got {tuple(A.shape)}")
+    for name, v in (("B", B), ("C", C)):
+        _tensor(name, v, u.device, (b, A.shape[1], t), "[B, N, T]")
+    for name, v in (("D", D), ("delta_bias", delta_bias)):
+        if v is not None:
+            _tensor(name, v, u.device, (dm,), "[Dm]")
+    if z is not None:
+        _tensor("z", z, u.device, u.shape, "u's shape [B, Dm, T]")
+    bool_arg("delta_softplus", delta_softplus)
+    if not isinstance(info, PackedSeqInfo):
+        raise TypeError(f"info must be a fastft.PackedSeqInfo, got {type(info).__name__}")
+    if info.num_tokens != b * t:
+        raise ValueError(f"info has {info.num_tokens} tokens but u has B * T = {b * t}")
+    if info.device != u.device:
+        raise ValueError(f"info is on {info.device} but u is on {u.device}")
+    chunk_size = int_arg("chunk_size", chunk_size, minimum=1)
+    if chunk_size > MAX_CHUNK_SIZE:
+        raise ValueError(f"chunk_size must be an int from 1 to {MAX_CHUNK_SIZE}, got {chunk_size}")
+    return chunk_size, dispatch.backend_for(OP, u.device, backend)
+
+
+def packed_selective_scan(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    info: PackedSeqInfo,
+    *,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False,
+    chunk_size: int = 64,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Mamba-1's selective scan with its state reset to 0 at every document of ``info``.
+
+    u, delta ``[B, Dm, T]`` (channels first, as transformers and mamba_ssm pass them; delta before
+    ``delta_bias`` and softplus, applied in that order); A ``[Dm, N]`` (``-exp(A_log)``); B, C ``[B, N, T]``; D
+    and delta_bias ``[Dm]``; z like u (the gate, ``y *= silu(z)``); any floating dtypes. ``info``: the
+    ``PackedSeqInfo`` of these ``B * T`` tokens, read in flat order. Returns y ``[B, Dm, T]`` in u's dtype
+    (a transposed view of a ``[B, T, Dm]`` tensor); the math is fp32 (autocast is off inside). No initial and
+    no final state. ``chunk_size`` (1 to 256) is the work unit of the chunk-parallel scan, not part of the
+    result. ``backend``: ``auto``, ``triton`` or ``torch`` (default ``FASTFT_BACKEND``). Differentiable.
+    """
+    chunk_size, chosen = _check(u, delta, A, B, C, info, D, z, delta_bias, delta_softplus, chunk_size, backend)
+    b, dm, t = u.shape
+    if b * t == 0:
+        return u.new_zeros(u.shape)
+    table = chunk_table(info, chunk_size)
+
+    def tokens(v):  # [B, K, T] -> [B * T, K] fp32
+        return v.transpose(1, 2).reshape(b * t, v.shape[1]).float()
+
+    with torch.autocast(u.device.type, enabled=False):
+        x, step, B, C = tokens(u), tokens(delta), tokens(B), tokens(C)
+        if delta_bias is not None:
+            step = step + delta_bias.float()
+        if delta_softplus:
+            step = F.softplus(step)
+        if chosen == "triton":
+            y = selective_scan_op(x, step, A.float(), B, C, table.start, table.length, table.first, table.chunk_size)
+        else:
+            y = _chunked(x, step, A.float(), B, C, table)
+        if D is not None:
+            y = y + x * D.float()
+        if z is not None:
+            y = y * F.silu(tokens(z))
+    return y.reshape(b, t, dm).transpose(1, 2).to(u.dtype)
+
+
+def _chunked(u, delta, A, B, C, table: ChunkTable) -> torch.Tensor:
+    """y ``[T, Dm]`` fp32 (without D and z) for fp32 u, delta ``[T, Dm]``, B, C ``[T, N]``: the chunk-parallel
+    scan in torch, each step over all chunks at once."""
+    c, num_chunks = table.chunk_size, table.num_chunks_bound
+    dm, n = A.shape
+
+    def chunks(v):  # [T, K] -> [C, num_chunks, K]: position in the chunk first; zeros in the empty slots
+        slots = v.new_zeros(num_chunks * c, v.shape[-1]).index_copy(0, table.slot, v)
+        return slots.view(num_chunks, c, -1).transpose(0, 1)
+
+    u, delta, B, C = chunks(u), chunks(delta), chunks(B), chunks(C)
+    decays = torch.exp(delta[..., None] * A)  # [C, chunks, Dm, N]
+    inputs = (delta * u)[..., None] * B[:, :, None, :]  # empty slots: decay 1, input 0
+
+    local = u.new_zeros(num_chunks, dm, n)
+    for j in range(c):
+        local = decays[j] * local + inputs[j]
+    decay = torch.exp(A * delta.sum(0)[..., None])
+    h = scan_states(local.view(1, num_chunks, -1), decay.view(1, num_chunks, -1), table.first).view(local.shape)
+    out = []
+    for j in range(c):
+        h = decays[j] * h + inputs[j]
+        out.append((h * C[j][:, None, :]).sum(-1))
+    y = torch.stack(out, 1)  # [chunks, C, Dm]
+    return y.reshape(num_chunks * c, dm).index_select(0, table.slot)
+
+
+# ---- the scan on Triton: a custom op, its kernels, no validation ---------------------------------------------
+
+
+def backward_programs(device: torch.device, per_sm: int) -> int:
+    """How many programs loop over the backward's (chunk, block) pairs (each with its own scratch)."""
+    if device.type != "cuda":
+        return 4 * per_sm
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def chunk_states(u, delta, A, B, start, length, first):
+    """(entering states, decay) ``[chunks, Dm, N]`` fp32: steps 1 and 2 of the forward."""
+    from .kernels import selective_scan as kernels
+    from .kernels import ssd as ssd_kernels
+
+    cfg = autotune.params(OP, u.device, u.numel())
+    local, decay = kernels.chunk_ends(u, delta, A, B, start, length, **cfg)
+    scan_cfg = autotune.params(OP_STATE_SCAN, u.device, local.numel())
+    states = ssd_kernels.state_scan(local.view(1, *first.shape, -1), decay.view(1, *first.shape, -1), first, **scan_cfg)
+    return states.view(local.shape), decay
+
+
+@custom_op("fastft::selective_scan")
+def selective_scan_op(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    start: torch.Tensor,
+    length: torch.Tensor,
+    first: torch.Tensor,
+    chunk_size: int,
+) -> torch.Tensor:
+    """y ``[T, Dm]`` fp32 for fp32 u, delta ``[T, Dm]`` (delta final: biased, softplus applied), A ``[Dm, N]``,
+    B, C ``[T, N]`` and a chunk table's start, length, first and chunk size: the scan on the Triton kernels,
+    without D and z; differentiable."""
+    from .kernels import selective_scan as kernels
+
+    u, delta, A, B, C = (v.float().contiguous() for v in (u, delta, A, B, C))
+    states, _ = chunk_states(u, delta, A, B, start, length, first)
+    cfg = autotune.params(OP, u.device, u.numel())
+    return kernels.chunk_outputs(u, delta, A, B, C, start, length, states, **cfg)
+
+
+@selective_scan_op.register_fake
+def _(u, delta, A, B, C, start, length, first, chunk_size):
+    return u.new_empty(u.shape, dtype=torch.float32)
+
+
+@custom_op("fastft::selective_scan_backward")
+def selective_scan_backward_op(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    start: torch.Tensor,
+    length: torch.Tensor,
+    first: torch.Tensor,
+    dy: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(du, ddelta, dA, dB, dC) fp32 of ``selective_scan_op`` from its inputs and the output's gradient."""
+    from .kernels import selective_scan as kernels
+    from .kernels import ssd as ssd_kernels
+
+    u, delta, A, B, C, dy = (v.float().contiguous() for v in (u, delta, A, B, C, dy))
+    states, decay = chunk_states(u, delta, A, B, start, length, first)
+    cfg = autotune.params(OP_BACKWARD, u.device, u.numel())
+    block = {"BD": cfg["BD"], "num_warps": cfg["num_warps"]}
+    dstates = kernels.chunk_start_grads(delta, A, C, dy, start, length, **block)
+    scan_cfg = autotune.params(OP_STATE_SCAN_BACKWARD, u.device, states.numel())
+    flat = (1, first.shape[0], -1)
+    dT, _ = ssd_kernels.state_scan_backward(decay.view(flat), first, states.view(flat), dstates.view(flat), **scan_cfg)
+    programs = backward_programs(u.device, cfg["PROGRAMS_PER_SM"])
+    du, ddelta, dB, dC, dA = kernels.chunk_grads(
+        u, delta, A, B, C, dy, start, length, states, dT.view(states.shape), chunk_size, PROGRAMS=programs, **block
+    )
+    return du, ddelta, dA, dB, dC
+
+
+@selective_scan_backward_op.register_fake
+def _(u, delta, A, B, C, start, length, first, dy, chunk_size):
+    f32 = torch.float32
+    return (
+        u.new_empty(u.shape, dtype=f32),
+        u.new_empty(u.shape, dtype=f32),
+        A.new_empty(A.shape, dtype=f32),
+        B.new_empty(B.shape, dtype=f32),
+        C.new_empty(C.shape, dtype=f32),
+    )
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:-1])
+    ctx.chunk_size = inputs[-1]
+
+
+def _backward(ctx, dy):
+    grads = selective_scan_backward_op.op(*ctx.saved_tensors, dy, ctx.chunk_size)
+    return (*grads, None, None, None, None)
+
+
+selective_scan_op.register_autograd(_backward, setup_context=_setup)

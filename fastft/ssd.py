@@ -1,0 +1,250 @@
+"""Mamba-2's state-space scan (SSD) over packed documents: Bamba, Granite-4.0-H, Falcon-H1, Nemotron-H, Zamba2,
+and MiniMax's lightning attention (the same scan with dt = 1).
+
+``packed_ssd_scan(x, dt, A, B, C, info, ...)`` is transformers 5.17's ``mamba2_chunk_scan`` (and mamba_ssm's
+``mamba_chunk_scan_combined``) with the state reset to 0 at every document of ``info``: on a row that holds one
+document it computes the same thing; on a packed row no document sees the state of the one before it. The
+specification is the token-by-token loop in ``fastft/reference/ssd.py``.
+
+The op runs the chunked SSD algorithm on the chunk layout of ``fastft.delta_rule.chunk_table``, in which no
+chunk spans two documents: tokens are gathered into ``[num_chunks_bound, chunk_size]`` slots (empty slots hold
+zeros, so they add nothing), the intra-chunk part (``C B^T`` masked by the decays, and the state each chunk
+leaves from a zero entering state) runs batched over all chunks in torch (autograd for its backward), the state
+is carried from chunk to chunk and zeroed where a chunk starts a document, and the outputs are gathered back.
+That carry (the sequential part, elementwise over each head's ``[P, N]`` state) has two backends: ``triton``
+(``state_scan_op``: a Triton scan forward and a reverse scan backward, ``kernels/ssd.py``) and ``torch``
+(``scan_states``, a Python loop over chunks, autograd for the backward; the specification of the Triton scan).
+Memory: the entering state of every chunk, fp32 ``[H, num_chunks_bound, P, N]`` (as mamba_ssm keeps), and in
+the backward its gradient.
+
+GPU syncs: none when ``info`` came from host lengths / ``cu_seqlens``; from device position ids, the one
+``PackedSeqInfo`` makes when ``num_seqs`` is first read (the chunk layout's size is bounded by it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import autotune, dispatch
+from ._checks import bool_arg, int_arg, number_arg
+from ._custom_op import custom_op
+from .delta_rule import MAX_CHUNK_SIZE, ChunkTable, chunk_table
+from .packing import PackedSeqInfo
+from .reference.ssd import discretize
+
+__all__ = ["packed_ssd_scan", "scan_states", "state_scan_op"]
+
+# The op's backend is that of its scan over chunks (the rest is torch on either).
+OP_SCAN = dispatch.register("ssd.state_scan")
+# Launch parameters only; dispatched with the forward.
+OP_SCAN_BACKWARD = "ssd.state_scan_backward"
+# Keyed by the entering states' elements (H * chunks * P * N). Defaults: 1024 state elements per program (8
+# programs per head of 64 x 128); ``tune`` measures Nemotron-H / Granite-4.0-H widths (128 heads of 64 x 128)
+# at T=8192 and 32768. The interpreter's 64 keeps the programs few (each costs the interpreter milliseconds);
+# tests/test_ssd.py runs the kernels with 8 elements a program too.
+for _op in (OP_SCAN, OP_SCAN_BACKWARD):
+    autotune.register(
+        _op,
+        autotune.Tunable(
+            {"BLOCK": 1024, "num_warps": 4},
+            sizes=(128 * 129 * 64 * 128, 128 * 513 * 64 * 128),
+            grid={"BLOCK": (256, 512, 1024, 2048), "num_warps": (2, 4, 8)},
+            interpreter={"BLOCK": 64},
+        ),
+    )
+
+
+def _tensor(name, value, device, shape=None, what=None):
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
+    if not value.dtype.is_floating_point:
+        raise ValueError(f"{name} must have a floating dtype, got {value.dtype}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but x is on {device}")
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name} must be {what} = {tuple(shape)}, got {tuple(value.shape)}")
+
+
+def _check(x, dt, A, B, C, info, D, dt_bias, dt_softplus, dt_limit, z, chunk_size, backend):
+    """Every argument check; returns (dt_limit as floats, chunk_size, the backend of the scan over chunks)."""
+    _tensor("x", x, getattr(x, "device", None))
+    if x.dim() != 4 or 0 in x.shape[2:]:
+        raise ValueError(f"x must be [B, T, H, P] with H, P >= 1, got shape {tuple(x.shape)}")
+    b, t, h, p = x.shape
+    _tensor("dt", dt, x.device, (b, t, h), "[B, T, H]")
+    _tensor("A", A, x.device, (h,), "[H]")
+    _tensor("B", B, x.device)
+    if B.dim() != 4 or B.shape[:2] != x.shape[:2] or 0 in B.shape[2:] or h % B.shape[2]:
+        raise ValueError(
+            f"B must be [B, T, G, N] with x's [B, T] = {(b, t)}, N >= 1 and G dividing H = {h}, got {tuple(B.shape)}"
+        )
+    _tensor("C", C, x.device, B.shape, "B's shape [B, T, G, N]")
+    if D is not None:
+        _tensor("D", D, x.device)
+        if tuple(D.shape) not in ((h,), (h, p)):
+            raise ValueError(f"D must be [H] = {(h,)} or [H, P] = {(h, p)}, got {tuple(D.shape)}")
+    if dt_bias is not None:
+        _tensor("dt_bias", dt_bias, x.device, (h,), "[H]")
+    if z is not None:
+        _tensor("z", z, x.device, x.shape, "x's shape [B, T, H, P]")
+    bool_arg("dt_softplus", dt_softplus)
+    if not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2:
+        raise TypeError(f"dt_limit must be a (low, high) pair of numbers, got {dt_limit!r}")
+    low, high = (number_arg("dt_limit", v) for v in dt_limit)
+    if not low <= high:
+        raise ValueError(f"dt_limit must have low <= high, got {dt_limit!r}")
+    if not isinstance(info, PackedSeqInfo):
+        raise TypeError(f"info must be a fastft.PackedSeqInfo, got {type(info).__name__}")
+    if info.num_tokens != b * t:
+        raise ValueError(f"info has {info.num_tokens} tokens but x has B * T = {b * t}")
+    if info.device != x.device:
+        raise ValueError(f"info is on {info.device} but x is on {x.device}")
+    chunk_size = int_arg("chunk_size", chunk_size, minimum=1)
+    if chunk_size > MAX_CHUNK_SIZE:
+        raise ValueError(f"chunk_size must be an int from 1 to {MAX_CHUNK_SIZE}, got {chunk_size}")
+    return (low, high), chunk_size, dispatch.backend_for(OP_SCAN, x.device, backend)
+
+
+def packed_ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    info: PackedSeqInfo,
+    *,
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    z: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Mamba-2's scan with its state reset to 0 at every document of ``info``.
+
+    x ``[B, T, H, P]``; dt ``[B, T, H]`` (the step before ``dt_bias``, softplus and the clamp to ``dt_limit``,
+    applied in that order as transformers does); A ``[H]`` (the decay rate, ``-exp(A_log)``: not checked to
+    be negative, that would sync); B, C ``[B, T, G, N]`` with G dividing H (head h reads group
+    ``h // (H // G)``); D ``[H]`` or ``[H, P]`` (the skip, ``y += D * x``); dt_bias ``[H]``; z like x (the
+    gate, ``y *= silu(z)``); any floating dtypes. ``info``: the ``PackedSeqInfo`` of these ``B * T`` tokens,
+    read in flat order. Returns y ``[B, T, H, P]`` in x's dtype; the math is fp32 (autocast is off inside).
+    No initial state and no final state: every document starts from 0, as in training. ``chunk_size``: 1 to
+    256 tokens per chunk (the model's own does not change the result). ``backend``: ``auto``, ``triton`` or
+    ``torch`` (default ``FASTFT_BACKEND``): which scan over chunks runs. Differentiable (works under
+    ``torch.utils.checkpoint``).
+    """
+    dt_limit, chunk_size, chosen = _check(
+        x, dt, A, B, C, info, D, dt_bias, dt_softplus, dt_limit, z, chunk_size, backend
+    )
+    b, t, h, p = x.shape
+    if b * t == 0:
+        return x.new_zeros(x.shape)
+    table = chunk_table(info, chunk_size)
+    with torch.autocast(x.device.type, enabled=False):
+        step = discretize(dt.reshape(b * t, h), dt_bias, dt_softplus, dt_limit)
+        y = _chunked(x.reshape(b * t, h, p).float(), step, A, B, C, table, chosen)  # [N, H, P]
+        if D is not None:
+            y = y + x.reshape(b * t, h, p).float() * (D.float()[:, None] if D.dim() == 1 else D.float())
+        if z is not None:
+            y = y * F.silu(z.reshape(b * t, h, p).float())
+    return y.reshape(b, t, h, p).to(x.dtype)
+
+
+def _chunked(x, dt, A, B, C, table: ChunkTable, backend: str) -> torch.Tensor:
+    """y ``[N, H, P]`` fp32 (without D and z) for fp32 x ``[N, H, P]`` and discretized dt ``[N, H]``: the
+    chunked SSD algorithm on ``table``'s layout, heads grouped as ``[G, H // G]``; the scan over chunks on
+    ``backend``."""
+    n, h, p = x.shape
+    g, state_size = B.shape[-2:]
+    c, num_chunks = table.chunk_size, table.num_chunks_bound
+
+    def chunks(v):  # [N, K, D] -> [K, num_chunks, C, D], zeros in the empty slots
+        slots = v.new_zeros(v.shape[1], num_chunks * c, v.shape[-1])
+        return slots.index_copy(1, table.slot, v.transpose(0, 1)).view(v.shape[1], num_chunks, c, -1)
+
+    log_decay = chunks((dt * A.float())[..., None]).view(g, h // g, num_chunks, c)  # dt * A per token
+    x_dt = chunks(x * dt[..., None]).view(g, h // g, num_chunks, c, p)
+    B, C = (chunks(v.reshape(n, g, state_size).float()).unsqueeze(1) for v in (B, C))  # [G, 1, chunks, C, N]
+
+    # Sums of decays over ranges of tokens are summed as such (not as differences of cumulative sums, whose
+    # rounding grows with the chunk's total decay).
+    cum = log_decay.cumsum(-1)
+    lower = torch.ones(c, c, dtype=torch.bool, device=x.device).tril()
+    segment = log_decay[..., :, None].expand(*log_decay.shape, c).masked_fill(~lower.tril(-1), 0).cumsum(-2)
+    pairwise_decay = segment.masked_fill(~lower, float("-inf")).exp()  # [i, j]: exp(a_{j+1} + ... + a_i)
+    to_end = F.pad(log_decay[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # a_{j+1} + ... + a_last
+    y = ((C @ B.transpose(-1, -2)) * pairwise_decay) @ x_dt  # within the chunk
+    local = (x_dt * to_end.exp()[..., None]).transpose(-1, -2) @ B  # [G, H/G, chunks, P, N]
+    scan = state_scan_op if backend == "triton" else scan_states
+    states = scan(local.reshape(h, num_chunks, -1), cum[..., -1].exp().reshape(h, num_chunks), table.first)
+    y = y + (C @ states.view(local.shape).transpose(-1, -2)) * cum.exp()[..., None]  # from the entering state
+    return y.reshape(h, num_chunks * c, p).transpose(0, 1).index_select(0, table.slot)
+
+
+def scan_states(local: torch.Tensor, decay: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The sequential part of the chunked scan, chunk after chunk, for each head: the state entering chunk i
+    (zeroed where ``first[i]``) and the state leaving it, ``state * decay + local``.
+
+    local ``[H, NC, E]`` (the state each chunk leaves from a zero entering state, flattened), decay ``[H, NC]``
+    (one per chunk: the product of its tokens' decays) or ``[H, NC, E]`` (one per element), first bool ``[NC]``.
+    Returns states ``[H, NC, E]``: each chunk's entering state.
+    """
+    h, num_chunks, e = local.shape
+    state = local.new_zeros(h, e)
+    states = []
+    for i in range(num_chunks):
+        state = torch.where(first[i], 0.0, state)
+        states.append(state)
+        state = state * (decay[:, i, None] if decay.dim() == 2 else decay[:, i]) + local[:, i]
+    return torch.stack(states, 1) if states else local.new_zeros(local.shape)
+
+
+# ---- the scan on Triton: custom ops, a kernel each way, no validation ---------------------------------------
+
+
+@custom_op("fastft::ssd_state_scan")
+def state_scan_op(local: torch.Tensor, decay: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """``scan_states`` on the Triton kernels (fp32 output, local's shape); differentiable."""
+    from .kernels import ssd as kernels
+
+    cfg = autotune.params(OP_SCAN, local.device, local.numel())
+    return kernels.state_scan(local, decay, first, **cfg)
+
+
+@state_scan_op.register_fake
+def _(local, decay, first):
+    return local.new_empty(local.shape, dtype=torch.float32)
+
+
+@custom_op("fastft::ssd_state_scan_backward")
+def state_scan_backward_op(
+    decay: torch.Tensor, first: torch.Tensor, states: torch.Tensor, dstates: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dlocal, ddecay) fp32 of ``state_scan_op`` from its decay, first, output and the output's gradient."""
+    from .kernels import ssd as kernels
+
+    cfg = autotune.params(OP_SCAN_BACKWARD, states.device, states.numel())
+    return kernels.state_scan_backward(decay, first, states, dstates, **cfg)
+
+
+@state_scan_backward_op.register_fake
+def _(decay, first, states, dstates):
+    return states.new_empty(states.shape, dtype=torch.float32), decay.new_empty(decay.shape, dtype=torch.float32)
+
+
+def _setup(ctx, inputs, output):
+    local, decay, first = inputs
+    ctx.save_for_backward(decay, first, output)
+
+
+def _backward(ctx, dstates):
+    decay, first, states = ctx.saved_tensors
+    dlocal, ddecay = state_scan_backward_op.op(decay, first, states, dstates)
+    return dlocal, ddecay, None
+
+
+state_scan_op.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,373 @@
+"""fastft.ssd: the Triton scan over chunks against the torch loop (forward and every gradient, both decay
+shapes); the op on both backends against the token-by-token reference (forward and every gradient, fp32); the
+reference and the op against transformers' own Mamba-2 scan on each document run alone; the public entry's
+validation and backend choice."""
+
+import inspect
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fastft
+from fastft import dispatch, testing
+from fastft.reference import ssd as reference
+from fastft.ssd import OP_SCAN, packed_ssd_scan, scan_states, state_scan_backward_op, state_scan_op
+
+# fp32 against the fp64 reference: max |fast - reference| <= RTOL * max |reference| + ATOL, for the output and
+# each gradient.
+RTOL, ATOL = 1e-5, 1e-6
+BACKENDS = ["torch", "triton"]
+NAMES = ("dx", "ddt", "dA", "dB", "dC", "dD", "ddt_bias", "dz")
+
+
+def random_inputs(g, b, t, h, p, groups, n, device, dtype=torch.float32):
+    """x, dt, A, B, C, D, dt_bias, z: dt around softplus' knee, A in [-2, -0.1] (decays that matter within a
+    few tokens, as a trained model's do)."""
+    x = torch.randn(b, t, h, p, generator=g)
+    dt = torch.randn(b, t, h, generator=g)
+    A = -(torch.rand(h, generator=g) * 1.9 + 0.1)
+    B, C = (torch.randn(b, t, groups, n, generator=g) for _ in range(2))
+    D = torch.randn(h, generator=g)
+    dt_bias = torch.randn(h, generator=g) * 0.5
+    z = torch.randn(b, t, h, p, generator=g)
+    return [v.to(device, dtype).requires_grad_() for v in (x, dt, A, B, C, D, dt_bias, z)]
+
+
+def assert_close_to(actual, expected, what):
+    err = (actual.float() - expected.float()).abs().max().item() if expected.numel() else 0.0
+    bound = RTOL * (expected.float().abs().max().item() if expected.numel() else 0.0) + ATOL
+    assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
+
+
+def check_against_reference(info, inputs, c, backend, *, dt_softplus=True, dt_limit=(0.0, math.inf), gate=True):
+    """The op (fp32) against the reference in fp64 on the same values, forward and every gradient."""
+    exact = [v.detach().double().requires_grad_() for v in inputs]
+
+    def run(fn, x, dt, A, B, C, D, dt_bias, z, *first):
+        kw = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, z=z if gate else None)
+        return fn(x, dt, A, B, C, *first, **kw)
+
+    out = run(lambda *a, **kw: packed_ssd_scan(*a, chunk_size=c, backend=backend, **kw), *inputs, info)
+    expected = run(reference.ssd_scan, *exact, info.position_ids)
+    assert out.shape == expected.shape and out.dtype == inputs[0].dtype
+    assert_close_to(out, expected, "y")
+    if out.numel() == 0:
+        return
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(out.numel())).to(out)  # replayable
+    n = len(inputs) if gate else len(inputs) - 1
+    got = torch.autograd.grad((out * w).sum(), inputs[:n])
+    want = torch.autograd.grad((expected * w.double()).sum(), exact[:n])
+    for name, a, e in zip(NAMES, got, want):
+        assert_close_to(a, e, name)
+
+
+CHUNK_SIZES = st.sampled_from([1, 2, 4, 8, 16])
+DIMS = st.sampled_from([(1, 2, 1, 3), (2, 4, 2, 2), (4, 2, 2, 4), (2, 3, 1, 1)])  # H, P, G, N
+
+
+def check_from_position_ids(device, position_ids, c, dims, seed, backend):
+    if position_ids.numel() == 0:
+        return  # test_no_tokens
+    pos = position_ids.reshape(-1, position_ids.shape[-1]).to(device)
+    info = fastft.packed_seq_info(position_ids=pos)
+    g = torch.Generator().manual_seed(seed)
+    check_against_reference(info, random_inputs(g, *pos.shape, *dims, device), c, backend)
+
+
+@given(testing.position_ids_strategy(max_rows=3, max_tokens=24), CHUNK_SIZES, DIMS, testing.seeds_strategy())
+def test_torch_matches_reference_from_position_ids(device, position_ids, c, dims, seed):
+    check_from_position_ids(device, position_ids, c, dims, seed, "torch")
+
+
+@given(testing.position_ids_strategy(max_rows=2, max_tokens=16), CHUNK_SIZES, DIMS, testing.seeds_strategy())
+def test_triton_matches_reference_from_position_ids(device, position_ids, c, dims, seed):
+    check_from_position_ids(device, position_ids, c, dims, seed, "triton")
+
+
+@pytest.mark.parametrize(
+    "lengths, c",
+    [
+        ([1, 1, 1, 1, 1], 4),  # 1-token documents
+        ([3, 1, 2, 7, 1], 8),  # all shorter than a chunk
+        ([8, 8, 16, 8], 8),  # exactly chunk-length documents (and two chunks)
+        ([21, 1, 9, 30, 2], 8),  # longer than a chunk, ends mid-chunk
+        ([70, 1, 64, 33], 64),  # the models' chunk size is 256; 64 keeps the test quick
+    ],
+)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fast_matches_reference_edge_lengths(device, rng, lengths, c, backend):
+    info = fastft.packed_seq_info(seq_lengths=lengths, device=device)
+    check_against_reference(info, random_inputs(rng, 1, sum(lengths), 2, 3, 1, 4, device), c, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_with_position_ids_and_options(device, rng, backend):
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2], [7, 8, 9, 0, 1, 2, 3, 4, 5]], device=device)  # row 2: a tail
+    info = fastft.packed_seq_info(position_ids=pos)
+    inputs = random_inputs(rng, 2, 9, 4, 3, 2, 4, device)
+    check_against_reference(info, inputs, 4, backend, dt_softplus=False, dt_limit=(0.1, 0.7), gate=False)
+    # D per channel ([H, P]), and host lengths over B * T tokens in flat order: a document across the rows.
+    inputs = random_inputs(rng, 2, 12, 2, 3, 2, 4, device)
+    inputs[5] = torch.randn(2, 3, generator=rng).to(device).requires_grad_()
+    check_against_reference(fastft.packed_seq_info(seq_lengths=[5, 15, 4], device=device), inputs, 8, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_documents_do_not_leak(device, rng, backend):
+    """A document's output is the same whatever precedes it in the row."""
+    x, dt, A, B, C, D, dt_bias, z = random_inputs(rng, 1, 30, 2, 4, 1, 4, device)
+    kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True, z=z, backend=backend)
+    packed = packed_ssd_scan(x, dt, A, B, C, fastft.packed_seq_info(seq_lengths=[13, 17], device=device), **kw)
+    kw["z"] = z[:, 13:]
+    alone = packed_ssd_scan(
+        x[:, 13:], dt[:, 13:], A, B[:, 13:], C[:, 13:], fastft.packed_seq_info(seq_lengths=[17], device=device), **kw
+    )
+    assert_close_to(packed[:, 13:], alone, "second document")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_inputs_and_autocast(device, rng, backend):
+    info = fastft.packed_seq_info(seq_lengths=[5, 11], device=device)
+    low = [v.detach().bfloat16() for v in random_inputs(rng, 1, 16, 2, 4, 1, 4, device)]
+    x, dt, A, B, C, D, dt_bias, z = low
+    kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True, z=z)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        out = packed_ssd_scan(x, dt, A, B, C, info, chunk_size=4, backend=backend, **kw)
+    assert out.dtype == torch.bfloat16
+    fp32 = [v.float() for v in low]
+    kw = dict(D=fp32[5], dt_bias=fp32[6], dt_softplus=True, z=fp32[7])
+    expected = reference.ssd_scan(*fp32[:5], info.position_ids, **kw)
+    torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_works_under_checkpoint(device, rng, backend):
+    info = fastft.packed_seq_info(seq_lengths=[6, 10], device=device)
+    inputs = random_inputs(rng, 1, 16, 2, 2, 1, 2, device)
+
+    def run(x, dt, A, B, C, D, dt_bias, z):
+        return packed_ssd_scan(x, dt, A, B, C, info, D=D, dt_bias=dt_bias, z=z, chunk_size=4, backend=backend)
+
+    run(*inputs).square().sum().backward()
+    plain = [v.grad.clone() for v in inputs]
+    for reentrant in (False, True):
+        for v in inputs:
+            v.grad = None
+        torch.utils.checkpoint.checkpoint(run, *inputs, use_reentrant=reentrant).square().sum().backward()
+        for v, e in zip(inputs, plain):
+            torch.testing.assert_close(v.grad, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_host_sync_from_host_lengths(device, rng, backend):
+    info = fastft.packed_seq_info(seq_lengths=[9, 1, 20, 2], device=device)
+    x, dt, A, B, C, D, dt_bias, z = inputs = random_inputs(rng, 1, 32, 2, 4, 1, 4, device)
+    with testing.no_host_sync():
+        out = packed_ssd_scan(x, dt, A, B, C, info, D=D, dt_bias=dt_bias, dt_softplus=True, z=z, backend=backend)
+        torch.autograd.grad(out.sum(), inputs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_device_position_ids_sync_once_for_num_seqs(device, rng, backend):
+    pos = testing.random_position_ids(rng, 2, 16, 7).to(device)
+    info = fastft.packed_seq_info(position_ids=pos)
+    assert info.num_seqs > 0  # the one sync a PackedSeqInfo from device position ids makes; the op makes none
+    x, dt, A, B, C, *_ = inputs = random_inputs(rng, 2, 16, 2, 2, 1, 2, device)
+    with testing.no_host_sync():
+        out = packed_ssd_scan(x, dt, A, B, C, info, chunk_size=4, backend=backend)
+        torch.autograd.grad(out.sum(), inputs[:5])
+
+
+def test_no_tokens(device):
+    info = fastft.packed_seq_info(seq_lengths=[], device=device)
+    x = torch.zeros(1, 0, 2, 4, device=device)
+    out = packed_ssd_scan(
+        x, torch.zeros(1, 0, 2, device=device), torch.zeros(2, device=device), *[torch.zeros(1, 0, 1, 3)] * 2, info
+    )
+    assert out.shape == (1, 0, 2, 4)
+
+
+# ---- the Triton scan over chunks against the torch loop ---------------------------------------------------
+
+
+@pytest.mark.parametrize("h, nc, e", [(2, 5, 12), (3, 9, 40), (1, 2, 3)])
+@pytest.mark.parametrize("per_element", [False, True])
+def test_triton_state_scan_matches_torch(device, rng, h, nc, e, per_element):
+    """Forward (the entering states) and the gradients of local and decay for a random gradient of the states,
+    against the torch loop and its autograd, fp32; several programs per head (BLOCK=8)."""
+    from fastft.kernels import ssd as kernels
+
+    local = torch.randn(h, nc, e, generator=rng).to(device).requires_grad_()
+    decay = torch.rand((h, nc, e) if per_element else (h, nc), generator=rng).to(device).requires_grad_()
+    first = (torch.rand(nc, generator=rng) < 0.4).to(device)  # documents start mid-way; the first chunk too or not
+    want = scan_states(local, decay, first)
+    dstates = torch.randn(want.shape, generator=rng).to(device)
+    want_grads = torch.autograd.grad(want, (local, decay), dstates)
+    got = kernels.state_scan(local.detach(), decay.detach(), first, BLOCK=8)
+    assert got.shape == want.shape
+    assert_close_to(got, want, "states")
+    got_grads = torch.autograd.grad(state_scan_op(local, decay, first), (local, decay), dstates)
+    for name, a, b in zip(("dlocal", "ddecay"), got_grads, want_grads):
+        assert a.shape == b.shape and a.dtype == torch.float32
+        assert_close_to(a, b, name)
+
+
+def test_triton_state_scan_passes_opcheck(device, rng):
+    local, decay = torch.randn(2, 3, 5, generator=rng).to(device), torch.rand(2, 3, generator=rng).to(device)
+    first = torch.tensor([True, False, True], device=device)
+    torch.library.opcheck(state_scan_op.op, (local.requires_grad_(), decay.requires_grad_(), first))
+    states = state_scan_op(local.detach(), decay.detach(), first)
+    torch.library.opcheck(state_scan_backward_op.op, (decay.detach(), first, states, torch.randn_like(states)))
+
+
+# ---- transformers' implementation, one document at a time -------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "zamba2"])
+def test_matches_transformers_on_each_document(device, rng, family):
+    """transformers' torch ``mamba2_chunk_scan`` of each Mamba-2 family, run on each document alone (chunk 16,
+    so that documents span chunks), against the reference and both backends on the packed row."""
+    module = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+    theirs = inspect.unwrap(module.mamba2_chunk_scan)  # the torch function, not mamba_ssm's kernel
+    lengths = [20, 1, 16, 5]
+    info = fastft.packed_seq_info(seq_lengths=lengths, device=device)
+    x, dt, A, B, C, D, dt_bias, _ = random_inputs(rng, 1, sum(lengths), 4, 3, 2, 4, device)
+    kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, 1.5))
+    ours = [reference.ssd_scan(x, dt, A, B, C, info.position_ids, **kw)]
+    ours += [packed_ssd_scan(x, dt, A, B, C, info, backend=backend, **kw) for backend in BACKENDS]
+    start = 0
+    for n in lengths:
+        doc = (v[:, start : start + n] for v in (x, dt))
+        bc = (v[:, start : start + n] for v in (B, C))
+        expected = theirs(*doc, A, *bc, chunk_size=16, **kw)
+        for name, out in zip(["reference", *BACKENDS], ours):
+            assert_close_to(out[:, start : start + n], expected, f"{name}, document at {start}")
+        start += n
+
+
+# ---- validation ------------------------------------------------------------------------------------------
+
+
+def _args(**changes):
+    b, t, h = 1, 6, 2
+    args = dict(
+        x=torch.zeros(b, t, h, 4),
+        dt=torch.zeros(b, t, h),
+        A=torch.zeros(h),
+        B=torch.zeros(b, t, 1, 3),
+        C=torch.zeros(b, t, 1, 3),
+        info=fastft.packed_seq_info(seq_lengths=[2, 4]),
+    )
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize(
+    "changes, error, match",
+    [
+        (dict(x=[0.0]), TypeError, "x must be a tensor"),
+        (dict(x=torch.zeros(1, 6, 8)), ValueError, r"x must be \[B, T, H, P\]"),
+        (dict(x=torch.zeros(1, 6, 2, 0)), ValueError, r"x must be \[B, T, H, P\] with H, P >= 1"),
+        (dict(dt=torch.zeros(1, 6, 3)), ValueError, r"dt must be \[B, T, H\]"),
+        (dict(dt=torch.zeros(1, 6, 2, dtype=torch.int64)), ValueError, "dt must have a floating dtype"),
+        (dict(A=torch.zeros(2, 1)), ValueError, r"A must be \[H\]"),
+        (dict(B=torch.zeros(1, 6, 3, 3), C=torch.zeros(1, 6, 3, 3)), ValueError, "G dividing H"),
+        (dict(B=torch.zeros(1, 5, 1, 3)), ValueError, r"B must be \[B, T, G, N\]"),
+        (dict(C=torch.zeros(1, 6, 1, 4)), ValueError, "C must be B's shape"),
+        (dict(D=torch.zeros(3)), ValueError, r"D must be \[H\]"),
+        (dict(dt_bias=torch.zeros(2, 4)), ValueError, r"dt_bias must be \[H\]"),
+        (dict(z=torch.zeros(1, 6, 2, 3)), ValueError, "z must be x's shape"),
+        (dict(dt_softplus=1), TypeError, "dt_softplus must be True or False"),
+        (dict(dt_limit=0.5), TypeError, "dt_limit must be a"),
+        (dict(dt_limit=("0", 1)), TypeError, "dt_limit must be a number"),
+        (dict(dt_limit=(1.0, 0.5)), ValueError, "dt_limit must have low <= high"),
+        (dict(info=torch.arange(6)), TypeError, "info must be a fastft.PackedSeqInfo"),
+        (dict(info=fastft.packed_seq_info(seq_lengths=[2, 5])), ValueError, "info has 7 tokens but x has B . T = 6"),
+        (dict(chunk_size=0), ValueError, "chunk_size must be an int >= 1"),
+        (dict(chunk_size=512), ValueError, "chunk_size must be an int from 1 to 256"),
+        (dict(chunk_size=16.0), TypeError, "chunk_size must be an int"),
+        (dict(backend="cuda"), ValueError, "backend must be one of"),
+    ],
+)
+def test_bad_input(changes, error, match):
+    with pytest.raises(error, match=match):
+        packed_ssd_scan(**_args(**changes))
+
+
+def test_backend_choice(device, monkeypatch):
+    """Triton wherever it runs (CUDA, the interpreter), as for every op; FASTFT_BACKEND and backend= choose."""
+    monkeypatch.delenv("FASTFT_BACKEND", raising=False)
+    assert dispatch.backend_for(OP_SCAN, device) == "triton"
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    assert dispatch.backend_for(OP_SCAN, device) == "torch"
+    assert dispatch.backend_for(OP_SCAN, device, "triton") == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors without the interpreter: Triton cannot run them
+    with pytest.raises(ValueError, match="backend='triton' cannot run ssd.state_scan on device cpu"):
+        packed_ssd_scan(**_args(), backend="triton")
+
+
+# ---- GPU: real sizes -------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_element", [False, True])
+def test_triton_state_scan_real_sizes(rng, per_element):
+    """The Triton scan, forward and backward, at Nemotron-H's 128 heads of 64 x 128 over 129 chunks, fp32,
+    against the torch loop."""
+    device = torch.device("cuda")
+    h, nc, e = 128, 129, 64 * 128
+    local = torch.randn(h, nc, e, generator=rng).to(device).requires_grad_()
+    decay = torch.rand((h, nc, e) if per_element else (h, nc), generator=rng).to(device).requires_grad_()
+    first = (torch.arange(nc) % 17 == 0).to(device)
+    dstates = torch.randn(h, nc, e, generator=rng).to(device)
+    want = scan_states(local, decay, first)
+    want = [want, *torch.autograd.grad(want, (local, decay), dstates)]
+    got = state_scan_op(local, decay, first)
+    got = [got, *torch.autograd.grad(got, (local, decay), dstates)]
+    for name, a, b in zip(("states", "dlocal", "ddecay"), got, want):
+        err, top = (a - b).abs().max().item(), b.abs().max().item()
+        assert err <= 1e-5 * top + 1e-5, f"{name}: max abs error {err:.3g}, max {top:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_real_sizes_bf16_against_transformers(backend):
+    """Nemotron-H widths (128 heads of 64, 8 groups, state 128; its chunk of 128), T=3084 in a few documents
+    (transformers' torch path materialises [chunks, C, C, H, P] products: 4 GiB per 1000-token document), bf16
+    inputs: the output and every gradient against transformers' torch path run on each document alone in fp32
+    on the same bf16 values; fastft's error within 2x that of transformers' own bf16 run, plus 1e-3 of the
+    largest value."""
+    nemotron = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
+    stock = inspect.unwrap(nemotron.mamba2_chunk_scan)
+    device = torch.device("cuda")
+    lengths = [1000, 1, 256, 700, 127, 1000]
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    t = sum(lengths)
+    info = fastft.packed_seq_info(seq_lengths=lengths, device=device)
+    g = torch.Generator().manual_seed(0)
+    inputs = random_inputs(g, 1, t, 128, 64, 8, 128, device, torch.bfloat16)[:7]
+    for v in inputs[3:5]:
+        v.data.mul_(128**-0.5)  # B, C of unit norm per token, as the model's convolution gives
+    w = torch.randn(1, t, 128, 64, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def kwargs(v):
+        return dict(D=v[5], dt_bias=v[6], dt_softplus=True, dt_limit=(0.0, math.inf))
+
+    def per_doc(v):
+        parts = [stock(*(u[:, s : s + n] for u in v[:2]), v[2], *(u[:, s : s + n] for u in v[3:5]), chunk_size=128,
+                       **kwargs(v)) for s, n in zip(starts, lengths)]  # fmt: skip
+        return torch.cat(parts, 1)
+
+    def results(out, v):
+        return [out.detach().float(), *torch.autograd.grad((out.float() * w).sum(), v)]
+
+    ours = results(packed_ssd_scan(*inputs[:5], info, backend=backend, **kwargs(inputs)), inputs)
+    theirs = results(per_doc(inputs), inputs)
+    fp32 = [v.detach().float().requires_grad_() for v in inputs]
+    exact = results(per_doc(fp32), fp32)
+    for name, a, s, e in zip(("y", *NAMES), ours, theirs, exact):
+        err, stock_err = (a.float() - e).abs().max().item(), (s.float() - e).abs().max().item()
+        assert err <= 2 * stock_err + 1e-3 * e.abs().max().item(), f"{name}: {err:.3g} vs stock {stock_err:.3g}"
