@@ -32,7 +32,7 @@ from .ssd import OP_SCAN as OP_STATE_SCAN
 from .ssd import OP_SCAN_BACKWARD as OP_STATE_SCAN_BACKWARD
 from .ssd import scan_states
 
-__all__ = ["packed_selective_scan", "selective_scan_op"]
+__all__ = ["packed_selective_scan"]
 
 OP = dispatch.register("selective_scan.scan")
 # Launch parameters only; dispatched with the forward.

@@ -35,7 +35,7 @@ from .delta_rule import MAX_CHUNK_SIZE, ChunkTable, chunk_table
 from .packing import PackedSeqInfo
 from .reference.ssd import discretize
 
-__all__ = ["packed_ssd_scan", "scan_states", "state_scan_op"]
+__all__ = ["packed_ssd_scan"]
 
 # The op's backend is that of its scan over chunks (the rest is torch on either).
 OP_SCAN = dispatch.register("ssd.state_scan")
