@@ -16,7 +16,7 @@ import collections
 
 import torch
 
-from fastft import graph_memory
+from fastft.graphs import memory as graph_memory
 from fastft.bench import e2e
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -14,8 +14,8 @@ import functools
 
 import torch
 
-from ...buckets import token_padding
 from ...graphs import graphed_checkpoint, layer_graphs
+from ...graphs.buckets import token_padding
 from ...packing import packed_seq_info
 
 PADDING = "fastft_token_padding"  # in the decoder stack's __dict__ during a padded forward: (padding, hook)
