@@ -3,8 +3,8 @@ FSDP2 with bf16 mixed precision and fp32 LoRA adapters, fastft's expert parallel
 FSDP2, transformers' own expert-parallel plan) gives each rank the loss of one process on that rank's
 packed row and the gradient of one process on the global batch (the mean of the ranks' losses).
 
-CI runs them on CPUs (gloo, 2 processes; the ops' torch paths, the offload as plain recompute). The GPU
-session runs the same tests on NCCL with the Triton paths, CUDA streams and pinned memory:
+CI runs them on CPUs (gloo, 2 processes; the ops' torch paths, the offload as plain recompute). On GPUs the
+same tests run on NCCL with the Triton paths, CUDA streams and pinned memory:
 ``FASTFT_DIST_BACKEND=nccl FASTFT_DIST_WORLD=1 pytest -m distributed`` (WORLD <= the GPUs present)."""
 
 import os
