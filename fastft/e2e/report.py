@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 
 from .stacks import COLUMNS, leaks
 
@@ -126,19 +127,19 @@ def loss_check(records: list[dict]) -> tuple[bool, str]:
 LEGEND = {
     "tokens/s": "real tokens of the timed steps over their wall time (steady state on the stream)",
     "step ms": "mean wall time of a timed step",
-    "first steps s": "wall time of the untimed first steps (how many in brackets), on a GPU with the first pass over\n"
-    "the stream at learning rate 0 before them: compiles, autotune, CUDA graph captures",
+    "first steps s": "wall time of the untimed first steps (how many in brackets), on a GPU with the first pass "
+    "over the stream at learning rate 0 before them: compiles, autotune, CUDA graph captures",
     "torch.compile": "graphs torch.compile compiled in the first pass and steps + in the timed steps ('-': none)",
-    "graph captures": "fastft.graphs captures (one per layer and signature) in the first steps + in the timed\n"
+    "graph captures": "fastft.graphs captures (one per layer and signature) in the first steps + in the timed "
     "steps ('-': none)",
     "ms / fastft's": "this column's step ms over the fastft column's, same model and stream (above 1.00x: slower)",
-    "vs fastest peer": "fastft columns: this column's tokens/s / the highest tokens/s among the peer columns\n"
-    "(stock *, liger + stock flex, unsloth) that do not leak, on the same model and stream, that peer named\n"
+    "vs fastest peer": "fastft columns: this column's tokens/s / the highest tokens/s among the peer columns "
+    "(stock *, liger + stock flex, unsloth) that do not leak, on the same model and stream, that peer named "
     "(above 1.00x: fastft is faster)",
-    "(leaks across documents)": "after a column: on this model its packed rows let each document see the ones\n"
-    "before it (stock packing on models whose layers mix tokens outside attention, e.g. Qwen3.5's Gated\n"
+    "(leaks across documents)": "after a column: on this model its packed rows let each document see the ones "
+    "before it (stock packing on models whose layers mix tokens outside attention, e.g. Qwen3.5's Gated "
     "DeltaNet; stock gpt-oss); its losses are not the documents' own",
-    "padded": "the padded columns' tokens/s counts the documents' tokens only; padding is the share of their\n"
+    "padded": "the padded columns' tokens/s counts the documents' tokens only; padding is the share of their "
     "model inputs that is padding",
 }
 RATIOS = ("ms / fastft's", "vs fastest peer")
@@ -149,9 +150,10 @@ def legend(ratios: bool = True) -> str:
     lines = ["the e2e table:"]
     for key, text in LEGEND.items():
         if ratios or key not in RATIOS:
-            first, *rest = text.split("\n")
-            lines.append(f"  {key:16s} {first}")
-            lines += [f"  {'':16s} {line}" for line in rest]
+            if len(key) > 16:  # the key on a line of its own
+                lines.append(f"  {key}")
+            first = f"  {key:16s} " if len(key) <= 16 else " " * 19
+            lines.append(textwrap.fill(text, 110, initial_indent=first, subsequent_indent=" " * 19))
     return "\n".join(lines)
 
 
