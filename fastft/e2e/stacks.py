@@ -324,8 +324,9 @@ def build(name: str, column: str, device, tiny: bool, model=None, quant=None):
     """The stack of ``column`` on the model ``name``: ((model, whether LoRA is on), a function to call after
     the column ran, which puts back the module globals the stack patched: Liger's, and the stock columns'
     torch mixers (``_torch_mixers``)). ``model``: one already built from ``model_config`` (e.g. loaded under
-    a distributed plan) instead of a fresh one with the fixed seed. ``quant``: ``"nf4"``, the fresh model's decoder linear layers in
-    bitsandbytes 4-bit (``fastft.e2e.quant.quantized``; saved once per model and loaded for each column)."""
+    a distributed plan) instead of a fresh one with the fixed seed. ``quant``: ``"nf4"``, the fresh model's
+    decoder linear layers in bitsandbytes 4-bit (``fastft.e2e.quant.quantized``; saved once per model and
+    loaded for each column)."""
     import transformers
 
     quant = quantization.quant_arg(quant)
