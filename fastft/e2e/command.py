@@ -68,7 +68,7 @@ def cmd_e2e(args) -> int:
     if not records:
         print("nothing ran", file=sys.stderr)
         return 2
-    ratios = run.speed_ratios(device)
+    ratios = run.speed_ratios(device, args.quick)
     print(report.format_table(records, ratios))
     if ratios:
         print(report.legend())

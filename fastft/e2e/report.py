@@ -175,7 +175,8 @@ def _fastest_peer(records: list[dict], r: dict) -> str:
 
 def format_table(records: list[dict], ratios: bool = True) -> str:
     """One row per (model, stream, column); ``legend`` says what each column of it holds. Without ``ratios``
-    (CPU runs), no speed ratios, nor the columns that hold nothing on a CPU (peak memory, compiles, captures)."""
+    (tiny configs), no speed ratios, nor the columns that hold nothing in the run (on a CPU: peak memory,
+    compiles, captures)."""
     by = {(r["model"], r["stream"], r["column"]): r for r in records}
 
     def ours_ratio(r):

@@ -11,9 +11,9 @@ default is ``padding-free`` (how TRL packs now, and the hard case for anything t
 ``both`` runs each column on both, twice the time.
 
 Models: on a GPU every model of ``fastft.e2e.models`` at real size (fewer layers for the large ones), bf16.
-On a CPU (or with ``quick``) tiny 2-layer configs in fp32, where step times show that each stack runs and
-nothing about its speed: no speed ratios then. A CPU runs ``REPRESENTATIVE`` models (one dense, one MoE, one
-hybrid) unless asked for all of them or for named ones.
+On a CPU (or with ``quick``) tiny 2-layer configs (fp32 on a CPU), where step times show that each stack runs
+and nothing about its speed: no speed ratios then. A CPU runs ``REPRESENTATIVE`` models (one dense, one MoE,
+one hybrid) unless asked for all of them or for named ones.
 
 Each column runs ``warmup`` first steps (default 3; 1 in the tiny configs) and then ``steps`` timed steps
 (default 20; 2 in the tiny configs), every step on the next batch (``fastft.e2e.train``). On a GPU the column
@@ -53,9 +53,9 @@ def tiny_configs(device: torch.device, quick: bool) -> bool:
     return device.type != "cuda" or quick
 
 
-def speed_ratios(device: torch.device) -> bool:
-    """Whether the run's speed ratios mean something: on a GPU only (a CPU runs tiny configs)."""
-    return device.type == "cuda"
+def speed_ratios(device: torch.device, quick: bool) -> bool:
+    """Whether the run's speed ratios mean something: at real sizes only (a GPU without ``quick``)."""
+    return not tiny_configs(device, quick)
 
 
 def models_of(device: torch.device, models=None, everything: bool = False) -> list[str]:
@@ -104,11 +104,8 @@ def describe(
             f"e2e on {device.type}: tiny 2-layer configs of each model, rows of up to 256 tokens, "
             f"{'bf16' if device.type == 'cuda' else 'fp32'}, {fastft_backend(device)}"
         )
-        if not speed_ratios(device):
-            lines.append(
-                "the step times show that each stack runs, not how fast it is: no speed ratios on a CPU (a GPU "
-                "runs the real sizes)"
-            )
+        where = "on a CPU (a GPU runs the real sizes)" if device.type != "cuda" else "with --quick's tiny configs"
+        lines.append(f"the step times show that each stack runs, not how fast it is: no speed ratios {where}")
     else:
         lines.append(
             "e2e on the GPU: real-size configs (fewer layers for the large ones), bf16, rows of up to 16,384 "
