@@ -101,7 +101,7 @@ def test_e2e_qwen35_marks_leaks_and_checks_fastft_against_the_padded_peer(tmp_pa
         assert "x (stock sdpa, padded) |" in out  # the only peer that does not leak
     assert "  Qwen3.5, fixed, against stock sdpa, padded (2 steps, " in out
     assert "'stock sdpa' " in out and "FAILS" not in out
-    assert out.splitlines()[-1].startswith("loss check: PASS — 1 fastft columns equal the reference within ")
+    assert out.splitlines()[-1].startswith("loss check: PASS — 1 fastft column equals the reference within ")
 
 
 def test_e2e_qwen35_moe_fastft_equals_the_padded_peer(monkeypatch):
@@ -112,7 +112,7 @@ def test_e2e_qwen35_moe_fastft_equals_the_padded_peer(monkeypatch):
     assert [r["column"] for r in records] == names and not any(r["leaks"] for r in records)
     ok, text = report.loss_check(records)
     assert ok and "  Qwen3.5-MoE, padding-free, against stock sdpa, padded (2 steps, " in text
-    assert text.splitlines()[-1].startswith("loss check: PASS — 1 fastft columns")
+    assert text.splitlines()[-1].startswith("loss check: PASS — 1 fastft column equals")
 
 
 @pytest.mark.skipif(stacks.installed("flash-linear-attention"), reason="checks the line for a missing fla")

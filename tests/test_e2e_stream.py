@@ -166,7 +166,7 @@ def test_loss_check_compares_every_step_and_ends_with_one_verdict():
     ok, text = report.loss_check(records + [_record("stock sdpa", [2.0, 1.9, 1.9], 200.0)])
     assert ok and "'stock sdpa' 5.6e-02 (step 2) (differs)" in text and "(3 steps, " in text
     assert text.splitlines()[-1] == (
-        "loss check: PASS — 1 fastft columns equal the reference within 1e-4 relative at every step "
+        "loss check: PASS — 1 fastft column equals the reference within 1e-4 relative at every step "
         "(largest difference 0.0e+00)"
     )
     ok, text = report.loss_check(records + [_record("fastft, peft lora", [2.0, 1.91, 1.8], 250.0)])

@@ -118,7 +118,8 @@ def loss_check(records: list[dict]) -> tuple[bool, str]:
         tols = sorted({c.tol for c in ours})
         within = " / ".join(map(_tol, tols)) + " relative"
         verdict = (
-            f"loss check: PASS — {len(ours)} fastft columns equal the reference within {within} at every step "
+            f"loss check: PASS — {len(ours)} fastft {'column equals' if len(ours) == 1 else 'columns equal'} the "
+            f"reference within {within} at every step "
             f"(largest difference {max(c.worst for c in ours):.1e})"
         )
     return not failed, "\n".join([*lines, verdict])
