@@ -165,19 +165,24 @@ def run(
     except ImportError:
         print("the end-to-end benchmark needs transformers (pip install transformers)")
         return []
-    records = []
-    for name in models_of(device, models):
-        for kind in kinds:
-            batches = stream_batches(name, kind, tiny, warmup + steps, device)
-            for column in columns(device, only_columns):
-                if why_not_on(column, name):
-                    continue
-                gc.collect()  # every column starts from a collected heap, the first one too
-                records.append(_run_column(name, kind, column, device, tiny, batches, warmup, quant))
-                _print(records[-1])
-                gc.collect()  # hooks and bound methods (fastft's, Liger's, PEFT's) make cycles: free them now
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+    records, threads = [], torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the tiny configs' matrices: more threads only wait for each other
+    try:
+        for name in models_of(device, models):
+            for kind in kinds:
+                batches = stream_batches(name, kind, tiny, warmup + steps, device)
+                for column in columns(device, only_columns):
+                    if why_not_on(column, name):
+                        continue
+                    gc.collect()  # every column starts from a collected heap, the first one too
+                    records.append(_run_column(name, kind, column, device, tiny, batches, warmup, quant))
+                    _print(records[-1])
+                    gc.collect()  # hooks and bound methods (fastft's, Liger's, PEFT's) make cycles: free them now
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+    finally:
+        torch.set_num_threads(threads)
     return records
 
 
