@@ -20,14 +20,7 @@ def run(*args, **env_vars):
     return subprocess.run([sys.executable, "-m", "fastft", *args], capture_output=True, text=True, env=env, cwd=ROOT)
 
 
-def test_info():
-    out = run("info")
-    assert out.returncode == 0, out.stderr
-    assert "device:" in out.stdout and "packing.sdpa_mask" in out.stdout and "backend=" in out.stdout
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU runs")
-def test_info_on_a_cpu_tells_what_a_program_runs():
+def test_info_tells_what_a_users_program_runs():
     user = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTFT_BACKEND")}
     out = subprocess.run(
         [sys.executable, "-m", "fastft", "info"],
@@ -37,13 +30,24 @@ def test_info_on_a_cpu_tells_what_a_program_runs():
         cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
-    assert "backend=triton" not in out.stdout and "backend=torch" in out.stdout
-    assert "device: " in out.stdout and "CPU, fastft's torch paths" in out.stdout
-    assert "autotune cache: none on a CPU" in out.stdout and "cpu.json" not in out.stdout
-    out = run("info", TRITON_INTERPRET="1")  # what check and bench run on a CPU
-    assert "backend=torch" not in out.stdout and "Triton kernels in Triton's interpreter" in out.stdout
-    out = run("info", TRITON_INTERPRET="1", FASTFT_BACKEND="torch")
-    assert "backend=triton" not in out.stdout and "interpreter" not in out.stdout.splitlines()[0]
+    assert "device:" in out.stdout and "packing.sdpa_mask" in out.stdout and "backend=" in out.stdout
+    if not torch.cuda.is_available():  # no TRITON_INTERPRET: a program on a CPU runs fastft's torch paths
+        assert "backend=triton" not in out.stdout and "CPU, fastft's torch paths" in out.stdout
+        assert "autotune cache: none on a CPU" in out.stdout and "cpu.json" not in out.stdout
+
+
+def test_the_banner_says_what_fastft_runs_on_a_cpu(monkeypatch):
+    from fastft import cli
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what check and bench run on a CPU
+    monkeypatch.delenv("FASTFT_BACKEND", raising=False)
+    assert cli.describe(cpu).endswith("CPU, fastft's Triton kernels in Triton's interpreter")
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    assert cli.describe(cpu).endswith("CPU, fastft's torch paths")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("FASTFT_BACKEND")
+    assert cli.describe(cpu).endswith("CPU, fastft's torch paths")
 
 
 def test_check_runs_cases_and_says_each_ops_count():
