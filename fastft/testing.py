@@ -1,9 +1,12 @@
 """Differential testing, for users fuzzing their own kernels the way fastft's property tests do: compare two
-results and report the first mismatch, random inputs, a no-host-sync context, tiny transformers models.
+results and report the first mismatch, on fresh random inputs whose seed a failure prints; random inputs, a
+no-host-sync context, tiny transformers models.
 
-    from fastft.testing import assert_same, differential
-    differential(lambda backend: my_op(x, backend=backend))      # triton vs torch, exact
-    assert_same(mine, reference, atol=1e-2, rtol=1e-2)           # any nesting of tensors/ints/lists/dicts
+    from fastft.testing import assert_same, differential, fuzz
+    differential(my_kernel, my_reference, inputs=make_inputs, cases=50)  # two callables, fresh inputs each case
+    differential(lambda backend: my_op(x, backend=backend))              # triton vs torch, exact
+    fuzz(check, cases=50)                                                # check(g) for fresh seeded generators
+    assert_same(mine, reference, atol=1e-2, rtol=1e-2)                   # any nesting of tensors/ints/lists/dicts
 
 Random inputs come from a ``torch.Generator`` (``random_*``) or, for hypothesis, from the ``*_strategy``
 functions (hypothesis is imported only when one is called). fastft's own per-op checks are ``fastft.selfcheck``.
@@ -15,6 +18,8 @@ import contextlib
 import dataclasses
 import math
 import numbers
+import os
+import sys
 
 import numpy as np
 import torch
@@ -22,6 +27,7 @@ import torch
 __all__ = [
     "assert_same",
     "differential",
+    "fuzz",
     "bits",
     "no_host_sync",
     "randint",
@@ -98,13 +104,112 @@ def assert_same(actual, expected, *, atol: float = 0.0, rtol: float = 0.0, path:
         raise AssertionError(f"{path}: {actual!r} != {expected!r}")
 
 
-def differential(fn, *, backends=("triton", "torch"), atol: float = 0.0, rtol: float = 0.0):
-    """Run ``fn(backend=...)`` for each backend; assert every result equals the last one (the reference)."""
-    results = {b: fn(backend=b) for b in backends}
-    expected = results[backends[-1]]
-    for b in backends[:-1]:
-        assert_same(results[b], expected, atol=atol, rtol=rtol, path=f"{b} vs {backends[-1]}")
-    return expected
+def fuzz(check, *, cases: int = 20, seed: int | None = None) -> None:
+    """Run ``check(g)`` ``cases`` times, each with a fresh ``torch.Generator`` (CPU) seeded ``seed + i``: a
+    seeded loop for those without hypothesis. ``seed`` None draws one from the OS, so each run tries new
+    inputs. A failing case names its seed: ``fuzz(check, cases=1, seed=S)`` replays it alone. An
+    ``AssertionError`` is raised again with the seed in front of its message; another exception gets the seed
+    as a note (printed to stderr on Python 3.10).
+    """
+    if isinstance(cases, bool) or not isinstance(cases, int) or cases < 1:
+        raise ValueError(f"cases must be an int >= 1, got {cases!r}")
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")
+    elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63 - cases:
+        raise ValueError(f"seed must be an int in [0, 2**63 - cases), got {seed!r}")
+    if not callable(check):
+        raise TypeError(f"check must be callable, got {type(check).__name__}")
+    for i in range(cases):
+        case_seed = seed + i
+        try:
+            check(torch.Generator().manual_seed(case_seed))
+        except Exception as e:
+            where = f"case {i + 1} of {cases}, seed {case_seed} (replay it: cases=1, seed={case_seed})"
+            if isinstance(e, AssertionError):
+                raise AssertionError(f"{where}: {e}") from e
+            if hasattr(e, "add_note"):
+                e.add_note(where)
+            else:
+                print(where, file=sys.stderr)
+            raise
+
+
+def _fresh(value):
+    """A copy of ``inputs``' result in which every tensor is cloned: each callable gets inputs of its own."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    return value
+
+
+def _call(fn, args, **extra):
+    if isinstance(args, dict):
+        return fn(**args, **extra)
+    if isinstance(args, tuple):
+        return fn(*args, **extra)
+    return fn(args, **extra)
+
+
+def differential(
+    fn,
+    reference=None,
+    *,
+    inputs=None,
+    backends=("triton", "torch"),
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    cases: int = 20,
+    seed: int | None = None,
+):
+    """Assert that two implementations agree; ``AssertionError`` naming the first element that differs.
+
+    - ``differential(candidate, reference, inputs=make)``: for each of ``cases`` fresh seeded generators
+      ``g`` (see ``fuzz``: a failure names its seed), ``args = make(g)`` (a tuple of positional arguments,
+      a dict of keyword arguments, or one argument); ``candidate(*args)`` must equal ``reference(*args)``
+      within ``atol + rtol * |reference|``. Each callable gets its own copy of the tensors.
+    - ``differential(candidate, reference)``: ``candidate()`` against ``reference()``, once.
+    - ``differential(fn, inputs=make)``: ``fn(*args, backend=b)`` for each of ``backends``, against the last.
+    - ``differential(fn)``: ``fn(backend=b)`` for each of ``backends``, against the last.
+
+    Results are compared by ``assert_same`` (nested tensors, numbers, lists, dicts, dataclasses). Returns the
+    reference's result (of the last case).
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if reference is not None and not callable(reference):
+        raise TypeError(f"reference must be callable, got {type(reference).__name__}")
+    if inputs is not None and not callable(inputs):
+        raise TypeError(f"inputs must be a callable of a torch.Generator, got {type(inputs).__name__}")
+    if reference is None and (isinstance(backends, str) or len(backends) < 1):
+        raise ValueError(f"backends must be a sequence of backend names, got {backends!r}")
+
+    def compare(args) -> object:
+        if reference is not None:
+            got = fn() if args is None else _call(fn, _fresh(args))
+            expected = reference() if args is None else _call(reference, _fresh(args))
+            assert_same(got, expected, atol=atol, rtol=rtol, path="candidate vs reference")
+            return expected
+        call = (lambda b: fn(backend=b)) if args is None else (lambda b: _call(fn, _fresh(args), backend=b))
+        results = {b: call(b) for b in backends}
+        expected = results[backends[-1]]
+        for b in backends[:-1]:
+            assert_same(results[b], expected, atol=atol, rtol=rtol, path=f"{b} vs {backends[-1]}")
+        return expected
+
+    if inputs is None:
+        return compare(None)
+    last = [None]
+
+    def case(g: torch.Generator) -> None:
+        last[0] = compare(inputs(g))
+
+    fuzz(case, cases=cases, seed=seed)
+    return last[0]
 
 
 # ---- random inputs ---------------------------------------------------------------------------------------

@@ -46,3 +46,21 @@ def test_trl_example():
     model = example.apply(example.tiny_model("cpu"))
     example.train(model, example.tiny_tokenizer(), example.text_dataset(16), "packing", 2, "cpu")
     assert_fastft_kept(model)
+
+
+def test_trl_grpo_example(monkeypatch):
+    """Generate, score and train with TRL's GRPOTrainer: the first step's completions are the stock model's
+    tokens, the losses and gradient norms agree, and the training forwards ran fastft's packed attention."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    from fastft.integrations.transformers import attention
+
+    calls = []
+    packed = attention.packed_attention
+    monkeypatch.setattr(attention, "packed_attention", lambda *a, **k: calls.append(1) or packed(*a, **k))
+    example = load("trl_grpo")
+    assert example.main(["--steps", "2", "--device", "cpu"]) == 0
+    assert calls  # fastft's attention trained, and stepped aside in generation (the tokens are the stock ones)
+    model = example.apply(example.tiny_model("cpu"))
+    example.train(model, example.tiny_tokenizer(), example.prompts(4), 1, "cpu")
+    assert_fastft_kept(model)

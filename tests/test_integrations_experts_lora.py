@@ -121,29 +121,29 @@ def test_peft_forward_where_fastft_does_not_apply_and_revert(monkeypatch, rng):
         assert len(calls) == (2 if fast_path else 0)
         torch.testing.assert_close(got, ref(input_ids=ids).logits, **TOL)
 
-    with torch.no_grad():
-        same(fast_path=True)
-        with model.disable_adapter(), ref.disable_adapter():
-            same(fast_path=False)
-        model.merge_adapter()
-        ref.merge_adapter()
+    # training forwards (grad on, train mode): those fastft serves; an inference forward is PEFT's own
+    same(fast_path=True)
+    with model.disable_adapter(), ref.disable_adapter():
         same(fast_path=False)
-        model.unmerge_adapter()
-        ref.unmerge_adapter()
-        for m in (model, ref):
-            m.add_adapter("other", peft.LoraConfig(r=2, target_modules=["q_proj"], target_parameters=BOTH))
-            m.base_model.set_adapter(["default", "other"])
-        with pytest.warns(UserWarning, match="2 active LoRA adapters on down_proj: PEFT's forward"):
-            same(fast_path=False)
-        for m in (model, ref):
-            m.base_model.set_adapter("default")
-        same(fast_path=True)
-        ft_hf.hf_model(model).set_experts_implementation("eager")  # the user's experts implementation
+    model.merge_adapter()
+    ref.merge_adapter()
+    same(fast_path=False)
+    model.unmerge_adapter()
+    ref.unmerge_adapter()
+    for m in (model, ref):
+        m.add_adapter("other", peft.LoraConfig(r=2, target_modules=["q_proj"], target_parameters=BOTH))
+        m.base_model.set_adapter(["default", "other"])
+    with pytest.warns(UserWarning, match="2 active LoRA adapters on down_proj: PEFT's forward"):
         same(fast_path=False)
-        ft_hf.hf_model(model).set_experts_implementation(ft_hf.EXPERTS_IMPLEMENTATION)
-        ft_hf.revert(model)
-        assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, ParamWrapper))
-        same(fast_path=False)
+    for m in (model, ref):
+        m.base_model.set_adapter("default")
+    same(fast_path=True)
+    ft_hf.hf_model(model).set_experts_implementation("eager")  # the user's experts implementation
+    same(fast_path=False)
+    ft_hf.hf_model(model).set_experts_implementation(ft_hf.EXPERTS_IMPLEMENTATION)
+    ft_hf.revert(model)
+    assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, ParamWrapper))
+    same(fast_path=False)
 
 
 def test_use_lora_on_experts_alone_and_experts_forward_errors():

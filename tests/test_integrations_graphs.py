@@ -120,10 +120,10 @@ def test_apply_graphs_auto(where, monkeypatch, one_thread, launch_bound):
     states = [layer.__dict__[graphs._STATE] for layer in layers]
     if launch_bound:  # steps 1-2 eager (the second timed), then captured once, padded to the bucket
         assert counter["graphs"] == 2 * len(layers) and [s.captures for s in states] == [1] * len(layers)
-        assert uses_graphs(ft_hf.decoder_stack(models[1]))
+        assert uses_graphs(ft_hf.decoder_stack(models[1]), "auto")
     else:  # decided GPU-bound after the timed call: no capture, and the batches are not padded from then on
         assert counter["graphs"] == 0 and all(s.eager for s in states)
-        assert not uses_graphs(ft_hf.decoder_stack(models[1]))
+        assert not uses_graphs(ft_hf.decoder_stack(models[1]), "auto")
 
 
 def test_graphed_documents_never_see_each_other(where):

@@ -30,7 +30,7 @@ REFUSED = {
     "zamba2": "Zamba2MambaMixer",
     "llama4_text": "chunked_attention",
     "bart": "BartDecoderWrapper",  # positions from the token count, not position_ids
-    "deepseek_v32": "deepseek_sparse_attention",
+    "deepseek_v32": "deepseek_sparse_attention|indexed_attention",  # its layer type, renamed in 5.24
 }
 ATTENTION_ONLY = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "gemma2", "olmo3", "glm4_moe", "mistral")
 # families whose mixers fastft makes packing-correct (their default configs hold such layers)
@@ -244,7 +244,7 @@ def test_packed_equals_each_document_alone(model_type, graphs, rng, device):
 
 def patch_counts() -> dict:
     """How many models use fastft's version of each replaced function of transformers (others' tests included)."""
-    return {key: count for key, (_, count) in mixers._patched.items()}
+    return {key: patch.models for key, patch in mixers._patched.items()}
 
 
 def model_state_records(model) -> set:

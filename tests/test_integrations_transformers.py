@@ -211,31 +211,37 @@ def test_packed_llama_step_is_sync_free_with_collator_lengths():
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("source", ["position_ids", "broadcast", "none", "cu_seq_lens"])
-def test_one_packed_seq_info_per_forward(source, monkeypatch):
-    """The decoder stack's hook builds the batch's PackedSeqInfo once; every layer reuses it."""
-    model = ft_hf.apply(tiny("llama", torch.float32).cpu(), offload_checkpointing=False)
+def test_one_packed_seq_info_per_forward(source, graphs, monkeypatch):
+    """The decoder stack's hook builds the batch's PackedSeqInfo once per training forward, also when it pads
+    the batch for graphs; every layer reuses it."""
+    model = ft_hf.apply(tiny("llama", torch.float32).cpu(), offload_checkpointing=graphs, graphs=graphs)
     built, seen = [], []
     build = fastft.packed_seq_info
     monkeypatch.setattr(ft_attention, "packed_seq_info", lambda **kw: built.append(build(**kw)) or built[-1])
     attention = ft_attention.packed_attention
     monkeypatch.setattr(ft_attention, "packed_attention", lambda *a, **k: seen.append(a[3]) or attention(*a, **k))
-    ids = torch.randint(0, 128, (3, 10))
+    ids = torch.randint(0, 128, (3, 17))  # 17 tokens a row: padded to 18 under graphs
     kwargs = {
-        "position_ids": dict(position_ids=torch.arange(10).repeat(3, 1)),
-        "broadcast": dict(position_ids=torch.arange(10)[None]),  # [1, T] for a batch of plain rows
+        "position_ids": dict(position_ids=torch.arange(17).repeat(3, 1)),
+        "broadcast": dict(position_ids=torch.arange(17)[None]),  # [1, T] for a batch of plain rows
         "none": {},
         "cu_seq_lens": dict(
-            cu_seq_lens_q=torch.tensor([0, 10, 20, 30]),
-            cu_seq_lens_k=torch.tensor([0, 10, 20, 30]),
-            max_length_q=10,
-            max_length_k=10,
+            cu_seq_lens_q=torch.tensor([0, 17, 34, 51]),
+            cu_seq_lens_k=torch.tensor([0, 17, 34, 51]),
+            max_length_q=17,
+            max_length_k=17,
         ),
     }[source]
-    with torch.no_grad():
-        model(input_ids=ids, **kwargs)
+    if source == "cu_seq_lens" and graphs:  # one row: three rows' documents would be given over the flat batch
+        ids = ids.reshape(1, 51)
+    model(input_ids=ids, **kwargs)
     assert len(built) == 1 and len(seen) == model.config.num_hidden_layers and all(i is built[0] for i in seen)
-    assert built[0].cu_seqlens.tolist() == [0, 10, 20, 30]
+    real = built[0].cu_seqlens.tolist()[:4]
+    assert real == [0, 17, 34, 51] if not graphs or source == "cu_seq_lens" else real[:2] == [0, 17]
+    if graphs:  # padded to the token bucket, the padding its own documents
+        assert built[0].num_tokens > ids.numel()
 
 
 @pytest.mark.parametrize("apply_first", [True, False])
@@ -277,26 +283,42 @@ def is_fastft_checkpoint(func):
     return func in (fastft.offload.gradient_checkpointing_func, fastft.offloaded_checkpoint)
 
 
+SPELLINGS = [
+    name
+    for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable")
+    if hasattr(transformers.PreTrainedModel, name)  # the second from transformers 5.24
+]
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
 @pytest.mark.parametrize("wrap", ["plain", "peft"])
-def test_later_gradient_checkpointing_enable_keeps_fastft(wrap, recwarn):
+def test_later_gradient_checkpointing_enable_keeps_fastft(wrap, spelling, recwarn):
     model = tiny("llama", torch.float32).cpu()
     if wrap == "peft":
         peft = pytest.importorskip("peft")
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    recwarn.clear()  # PEFT's own (it reads is_gradient_checkpointing, deprecated in transformers 5.24)
     ft_hf.apply(model)
+    assert not recwarn.list, [str(w.message) for w in recwarn.list]  # no deprecation warning from apply
     layers = [m for m in ft_hf.hf_model(model).modules() if isinstance(m, transformers.GradientCheckpointingLayer)]
     assert len(layers) == 2 and all(is_fastft_checkpoint(f) for f in checkpoint_funcs(model))
-    # what Trainer, TRL and PEFT call, with every argument transformers 5.17 takes
-    model.gradient_checkpointing_enable()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, offload=True)
+    enable = getattr(model, spelling)
+    options = spelling.split("_enable")[0] + "_kwargs"  # gradient_checkpointing_kwargs, activation_...
+    # what Trainer, TRL and PEFT call, with every argument transformers takes
+    enable()
+    enable(**{options: {"use_reentrant": False}}, offload=True)
     assert all(f is fastft.offload.gradient_checkpointing_func for f in checkpoint_funcs(model))
-    model.gradient_checkpointing_enable({"preserve_rng_state": False}, every_n_layers=2)
+    enable({"preserve_rng_state": False}, every_n_layers=2)
     assert [m.gradient_checkpointing for m in layers] == [True, False]
     (func,) = checkpoint_funcs(model)
     assert is_fastft_checkpoint(func) and func.keywords == {"preserve_rng_state": False}
-    assert not recwarn.list
+    assert not recwarn.list, [str(w.message) for w in recwarn.list]
+    with pytest.raises(ValueError, match="every_n_layers must be a positive int"):
+        enable(every_n_layers=0)
+    with pytest.raises(TypeError, match="offload must be a bool"):
+        enable(offload="yes")
     with pytest.warns(UserWarning, match="keeps its non-reentrant checkpoint"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        enable(**{options: {"use_reentrant": True}})
     assert len(checkpoint_funcs(model)) == 2 and all(is_fastft_checkpoint(f) for f in checkpoint_funcs(model))
     model.gradient_checkpointing_disable()
     assert not ft_hf.hf_model(model).is_gradient_checkpointing

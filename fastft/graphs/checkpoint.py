@@ -32,7 +32,9 @@ tensors off the GPU, nothing that requires grad, and under ``policy="auto"`` a G
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
+import types
 import warnings
 
 import torch
@@ -64,15 +66,22 @@ def layer_graphs(module: torch.nn.Module) -> LayerGraphs | None:
 
 
 def _module_call(function, args, kwargs):
-    """(module, callable, positional args, keyword args) of ``function(*args, **kwargs)``."""
+    """(module, callable, positional args, keyword args) of ``function(*args, **kwargs)``: ``function`` is a
+    module, a bound method of one, or a ``functools.partial`` of either or of an unbound method and its
+    module."""
     target, pre_args, pre_kwargs = function, (), {}
     if isinstance(function, functools.partial):
         target, pre_args, pre_kwargs = function.func, function.args, function.keywords
     module = target if isinstance(target, torch.nn.Module) else getattr(target, "__self__", None)
+    if module is None and pre_args and isinstance(pre_args[0], torch.nn.Module) and inspect.isfunction(target):
+        # an unbound forward and its module: transformers >= 5.24 checkpoints ``partial(forward, layer, ...)``
+        module, pre_args = pre_args[0], pre_args[1:]
+        target = types.MethodType(target, module)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
             "graphed_checkpoint needs a module call (an nn.Module, a bound method of one, or a functools.partial "
-            f"of either): its trainable parameters get their gradients from the graph; got {type(function).__name__}"
+            "of either or of an unbound method and its module): its trainable parameters get their gradients from "
+            f"the graph; got {type(function).__name__}"
         )
     return module, target, (*pre_args, *args), {**pre_kwargs, **kwargs}
 

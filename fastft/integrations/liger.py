@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..experts import routed_experts
-from .models import decoder_stack, experts_blocks, hf_model, model_state
+from .models import decoder_stack, experts_blocks, hf_model, model_state, stepping_aside
 
 __all__ = ["is_liger_experts", "liger_experts_forward", "route_liger_experts", "keep_fastft_experts"]
 
@@ -52,7 +52,9 @@ def _silu_gate(h: torch.Tensor) -> torch.Tensor:
 
 def liger_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """``LigerExperts.forward`` through fastft's ``routed_experts`` (``gate_up_proj`` ``[E, 2I, H]``, gate
-    half first, SiLU; ``down_proj`` ``[E, H, I]``)."""
+    half first, SiLU; ``down_proj`` ``[E, H, I]``); Liger's own forward where fastft steps aside."""
+    if stepping_aside():
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
     shape = hidden_states.shape
     out = routed_experts(
         hidden_states.reshape(-1, shape[-1]),

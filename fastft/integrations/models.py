@@ -13,6 +13,8 @@ import torch
 STATE = "_fastft_state"  # in the transformers model's __dict__: its ModelState
 PACKED_INFO_KWARG = "fastft_packed_info"  # the forward keyword that hands each layer the batch's PackedSeqInfo
 
+_aside = [0]  # how many forwards that run the model's own code are under way (see stepping_aside)
+
 
 @dataclasses.dataclass(eq=False)
 class ModelState:
@@ -27,6 +29,18 @@ class ModelState:
             raise RuntimeError(f"fastft's {key} is already recorded on this model")
         self.records[key] = value
         self.undo.append(undo)
+
+
+def stepping_aside() -> bool:
+    """Whether a forward that runs the model's own code is under way (``fastft.integrations.transformers.
+    lifecycle``: generation with a cache, evaluation of plain or padded rows): fastft's module forwards
+    (PEFT LoRA layers, Liger's experts) then run the forward they replaced."""
+    return _aside[0] > 0
+
+
+def step_aside(delta: int) -> None:
+    """Count a forward that runs the model's own code in (+1) or out (-1)."""
+    _aside[0] = max(_aside[0] + delta, 0)
 
 
 def hf_model(model):

@@ -34,7 +34,7 @@ import torch
 
 from ..experts import ExpertLoRA
 from ..lora import lora_linear
-from .models import is_experts_block
+from .models import is_experts_block, stepping_aside
 
 __all__ = ["use_lora", "revert_lora", "has_lora"]
 
@@ -100,7 +100,7 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 def _forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    name = _plain_adapter(self, x, args, kwargs)
+    name = None if stepping_aside() else _plain_adapter(self, x, args, kwargs)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
     base = self.base_layer
@@ -170,7 +170,7 @@ def _expert_adapters(wrapper, x: torch.Tensor, args, kwargs):
 def _experts_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     from .transformers.experts import EXPERT_LORA_KWARG
 
-    found = _expert_adapters(self, x, args, kwargs)
+    found = None if stepping_aside() else _expert_adapters(self, x, args, kwargs)
     if found is None:
         return type(self).forward(self, x, *args, **kwargs)
     block, adapters = found

@@ -33,6 +33,7 @@ from ..models import ModelState as ModelState
 from ..models import decoder_layers, has_experts, hf_model, model_state, pop_model_state, transformers_model
 from ..models import decoder_stack as decoder_stack
 from ..models import is_experts_block as is_experts_block
+from . import lifecycle, versions
 from .attention import ATTENTION_IMPLEMENTATION as ATTENTION_IMPLEMENTATION
 from .attention import PACKED_INFO_KWARG as PACKED_INFO_KWARG
 from .attention import attention_forward as attention_forward
@@ -84,6 +85,7 @@ def apply(
     for anything but a transformers model, an option that is not a bool, or ``graphs`` not True, False or
     ``"auto"``."""
     transformers_model(model)
+    versions.check_version()
     for name, value in dict(packing=packing, offload_checkpointing=offload_checkpointing, moe=moe, lora=lora).items():
         bool_arg(name, value)
     graphs_arg(graphs)
@@ -105,6 +107,7 @@ def apply(
             state.add("lora", None, functools.partial(ft_peft.revert_lora, inner))
     if offload_checkpointing:
         enable_gradient_checkpointing(model, graphs=graphs)
+    lifecycle.watch(model)  # fastft serves training and packed forwards; the model's own code the others
     return model
 
 

@@ -11,7 +11,7 @@ import torch
 from ...attention import packed_attention
 from ...packing import packed_seq_info
 from ..models import PACKED_INFO_KWARG, decoder_stack, model_state, transformers_model
-from .graph_padding import pad_for_graphs
+from . import graph_padding, lifecycle
 from .mixers import check_packing, use_packed_mixers
 
 ATTENTION_IMPLEMENTATION = "fastft"
@@ -98,15 +98,17 @@ def unsupported_attention(module, attention_mask, kwargs) -> str | None:
     return None
 
 
-def prepare_packed_batch(module, args, kwargs):
-    """Forward pre-hook of the decoder stack, once per forward: a 2D ``attention_mask`` (padding) becomes
-    position ids whose padding tokens are one-token documents (no sync), since transformers passes no mask
-    to a registered attention function; then the batch's ``PackedSeqInfo`` is built once and handed to
-    every layer under ``PACKED_INFO_KWARG``."""
+def prepare_packed_batch(module, args, kwargs, graphs: bool | str = False):
+    """Forward pre-hook of the decoder stack, once per forward that fastft serves (``lifecycle``): a 2D
+    ``attention_mask`` (padding) becomes position ids whose padding tokens are one-token documents (no sync),
+    since transformers passes no mask to a registered attention function; with ``graphs`` (the checkpointing
+    concern's record) the batch is padded to its token bucket (``graph_padding``); then the batch's
+    ``PackedSeqInfo`` is built once and handed to every layer under ``PACKED_INFO_KWARG``."""
+    graph_padding.drop_stale(module)
+    if lifecycle.forward_kind(module) == lifecycle.STOCK:
+        return args, kwargs  # the model's own attention
     if len(args) > 1:
         raise ValueError("with fastft packed attention, pass attention_mask and position_ids as keyword arguments")
-    if kwargs.get("past_key_values") is not None:
-        return args, kwargs  # generation with a cache: each layer decides
     mask = kwargs.get("attention_mask")
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
@@ -117,13 +119,19 @@ def prepare_packed_batch(module, args, kwargs):
             positions = keep.long().cumsum(-1) - 1
         kwargs = {**kwargs, "attention_mask": None, "position_ids": torch.where(keep, positions, 0)}
     ids = args[0] if args else kwargs.get("input_ids")
-    embeds = kwargs.get("inputs_embeds")
-    tokens = ids if ids is not None else embeds
+    tokens = ids if ids is not None else kwargs.get("inputs_embeds")
     if tokens is None:
         return args, kwargs  # nothing to describe
     batch, length = tokens.shape[:2]
-    info = batch_info(batch, length, tokens.device, kwargs)
-    return pad_for_graphs(module, args, {**kwargs, PACKED_INFO_KWARG: info}, PACKED_INFO_KWARG)  # graphs: buckets
+    source = kwargs
+    if graph_padding.uses_graphs(module, graphs):
+        padded = graph_padding.pad_for_graphs(module, args, kwargs)
+        if padded is not None:
+            args, kwargs, source = padded
+            ids = args[0] if args else kwargs.get("input_ids")
+            length = (ids if ids is not None else kwargs["inputs_embeds"]).shape[1]
+    info = batch_info(batch, length, tokens.device, source)
+    return args, {**kwargs, PACKED_INFO_KWARG: info}
 
 
 def use_packed_attention(model):
@@ -146,6 +154,7 @@ def use_packed_attention(model):
     check_packing(inner)  # before any change: a model fastft cannot make packing-correct is left as it was
     state = model_state(inner)
     before = inner.config._attn_implementation
+    configs = lifecycle.snapshot(inner, "_attn_implementation")
     AttentionInterface.register(ATTENTION_IMPLEMENTATION, attention_forward)
     inner.set_attn_implementation(ATTENTION_IMPLEMENTATION)
     if inner.config.get_text_config()._attn_implementation != ATTENTION_IMPLEMENTATION:
@@ -156,7 +165,13 @@ def use_packed_attention(model):
             "(apply(model, packing=False) and padded batches)"
         )
     if "attention" not in state.records:
-        hook = decoder_stack(model).register_forward_pre_hook(prepare_packed_batch, with_kwargs=True)
+        ref = weakref.ref(inner)  # the hook lives on a module of the model: no reference cycle through it
+
+        def prepare(module, args, kwargs):
+            graphs = model_state(ref()).records.get("checkpointing", {}).get("graphs", False)
+            return prepare_packed_batch(module, args, kwargs, graphs)
+
+        hook = decoder_stack(model).register_forward_pre_hook(prepare, with_kwargs=True)
 
         layers = list(inner.modules())
         _PACKED.update(layers)
@@ -168,5 +183,7 @@ def use_packed_attention(model):
                 _PACKED.discard(layer)
 
         state.add("attention", before, undo)
+    lifecycle.own(inner, "_attn_implementation", configs)
+    lifecycle.watch(inner)
     use_packed_mixers(inner)
     return model

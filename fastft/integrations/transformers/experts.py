@@ -18,6 +18,7 @@ from ...expert_parallel import moe_expert_parallel
 from ...swiglu import swiglu
 from .. import liger
 from ..models import has_experts, model_state, transformers_model
+from . import lifecycle
 
 EXPERTS_IMPLEMENTATION = "fastft"
 EXPERT_SHARD = "fastft_expert_shard"  # in an experts block's __dict__ under use_expert_parallel
@@ -146,10 +147,13 @@ def use_moe(model):
         )
     state = model_state(inner)
     before = inner.config._experts_implementation
+    configs = lifecycle.snapshot(inner, "_experts_implementation")
     register()
     inner.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     if "experts" not in state.records:
         state.add("experts", before, functools.partial(_restore, inner, before))
+    lifecycle.own(inner, "_experts_implementation", configs)
+    lifecycle.watch(inner)
     liger.keep_fastft_experts(model)
     return model
 

@@ -252,6 +252,9 @@ def _delta_rule_fn(original):
                 **kwargs,
             )
         _no_cache(initial_state, output_final_state)
+        if key.shape[2] != value.shape[2]:  # fewer key heads than value heads (handed over so from 5.24)
+            groups = value.shape[2] // key.shape[2]  # each key head serves that many consecutive value heads
+            query, key = query.repeat_interleave(groups, dim=2), key.repeat_interleave(groups, dim=2)
         out = gated_delta_rule(query, key, value, g, beta, info, use_qk_l2norm=use_qk_l2norm_in_kernel)
         return out, None
 
@@ -260,21 +263,31 @@ def _delta_rule_fn(original):
 
 
 REPLACEMENTS = {CONV_FN: _conv_fn, DELTA_RULE_FN: _delta_rule_fn}
-_patched: dict = {}  # (modeling module name, function name) -> [transformers' function, models using fastft's]
+_patched: dict = {}  # (modeling module name, function name) -> _Patch
+
+
+@dataclasses.dataclass
+class _Patch:
+    original: object  # the module's function that fastft's wraps
+    models: int  # live models using fastft's
+    replacement: object  # fastft's function, as set on the module
 
 
 def _replace(namespace, name: str):
     key = (namespace.__name__, name)
-    if key not in _patched:
-        original = getattr(namespace, name)
-        _patched[key] = [original, 0]
-        setattr(namespace, name, REPLACEMENTS[name](original))
-    _patched[key][1] += 1
+    patch = _patched.setdefault(key, _Patch(None, 0, None))
+    current = getattr(namespace, name)
+    if current is not patch.replacement:  # first use, or the module's function was set anew since (a reload)
+        patch.original, patch.replacement = current, REPLACEMENTS[name](current)
+        setattr(namespace, name, patch.replacement)
+    patch.models += 1
 
     def restore():
-        _patched[key][1] -= 1
-        if _patched[key][1] == 0:
-            setattr(namespace, name, _patched.pop(key)[0])
+        patch.models -= 1
+        if patch.models == 0:
+            _patched.pop(key)
+            if getattr(namespace, name) is patch.replacement:
+                setattr(namespace, name, patch.original)
 
     return restore
 

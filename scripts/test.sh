@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The tests (what .ci/run runs): the whole suite on the installed packages (the test extra pins the oldest
+# supported transformers), then the integration tests again on the newest supported transformers release.
+# Arguments (test paths, -k ...) go to both runs in place of their defaults.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+NEWEST=5.24.0  # fastft/integrations/transformers/versions.py NEWEST; tests/test_versions.py checks they agree
+"$PY" -m pytest -q -p no:cacheprovider "$@"
+dir=${TMPDIR:-/tmp}/fastft-transformers-$NEWEST
+if [ ! -d "$dir/transformers" ]; then
+  "$PY" -m pip install -q --no-deps --target "$dir" "transformers==$NEWEST"
+fi
+echo "integration tests on transformers $NEWEST"
+if [ $# -eq 0 ]; then
+  set -- tests/test_integrations_*.py tests/test_examples.py tests/test_versions.py
+fi
+PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -p no:cacheprovider "$@"
