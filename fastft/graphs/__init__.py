@@ -9,6 +9,8 @@ graph each.
 - ``buckets``: the token-count ladder that keeps a packed stream's signatures few.
 """
 
-from .checkpoint import MAX_SIGNATURES, capture_count, graphed_checkpoint, layer_graphs
+from .checkpoint import MAX_SIGNATURES as MAX_SIGNATURES
+from .checkpoint import capture_count, graphed_checkpoint
+from .checkpoint import layer_graphs as layer_graphs
 
-__all__ = ["MAX_SIGNATURES", "capture_count", "graphed_checkpoint", "layer_graphs"]
+__all__ = ["graphed_checkpoint", "capture_count"]
