@@ -92,15 +92,18 @@ def fastft_runs(device: torch.device) -> str:
     return "fastft's torch paths"
 
 
-def describe(device: torch.device) -> str:
-    """The device in words, with what fastft runs on it."""
+def device_name(device: torch.device) -> str:
+    """The device in words: ``NVIDIA H100 80GB HBM3 (sm90)``, ``x86_64 CPU``."""
     from fastft import capabilities
 
     if device.type == "cuda":
-        name = f"{torch.cuda.get_device_name(device)} ({capabilities.arch(device)})"
-    else:
-        name = f"{platform.processor() or platform.machine()} CPU"
-    return f"{name}, {fastft_runs(device)}"
+        return f"{torch.cuda.get_device_name(device)} ({capabilities.arch(device)})"
+    return f"{platform.processor() or platform.machine()} CPU"
+
+
+def describe(device: torch.device) -> str:
+    """The device in words, with what fastft runs on it."""
+    return f"{device_name(device)}, {fastft_runs(device)}"
 
 
 @contextlib.contextmanager
@@ -130,10 +133,11 @@ def prog() -> str:
 
 
 def write_json(path: str, device: torch.device, rows: list) -> None:
-    """The command's ``rows`` to ``path`` with the date, device, versions and command line."""
+    """The command's ``rows`` to ``path`` with the date, device, what fastft ran, versions and command line."""
     record = {
         "date": datetime.date.today().isoformat(),
-        "device": describe(device),
+        "device": device_name(device),
+        "fastft_runs": fastft_runs(device),
         "versions": versions(),
         "command": " ".join([prog()] + sys.argv[1:]),
         "rows": rows,
