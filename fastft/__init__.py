@@ -16,6 +16,7 @@ if _ilu.find_spec(__name__ + ".kernels") is None:
 from . import copy, dispatch  # noqa: E402
 from .attention import packed_attention  # noqa: E402
 from .audit import AuditReport, audit  # noqa: E402  (the function shadows the submodule name)
+from .balance import BalancedPlan, balance_documents  # noqa: E402
 from .conv import packed_conv1d  # noqa: E402
 from .delta_rule import gated_delta_rule  # noqa: E402
 from .expert_parallel import moe_expert_parallel  # noqa: E402
@@ -49,4 +50,6 @@ __all__ = [
     "lora_linear",
     "audit",
     "AuditReport",
+    "balance_documents",
+    "BalancedPlan",
 ]

@@ -231,6 +231,12 @@ def _union_ms(intervals) -> float:
     return total / 1000
 
 
+def _synchronize() -> None:
+    """Wait for every GPU: a model split over GPUs (``device_map``) computes on others than the current one."""
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(index)
+
+
 _KINETO_LOG = re.compile(rb"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\.cpp:\d+\] ")  # libkineto's own progress lines
 
 
@@ -283,7 +289,7 @@ def audit(step, *, model=None, layers=(), steps: int = 3, warmup: int = 1, top: 
     for _ in range(warmup):
         step()
     if cuda:
-        torch.cuda.synchronize()
+        _synchronize()
     ranges = _Ranges(model, layers)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     prof = profile(activities=activities)
@@ -296,7 +302,7 @@ def audit(step, *, model=None, layers=(), steps: int = 3, warmup: int = 1, top: 
                     step()
                     if cuda:
                         with record_function(_WAIT):
-                            torch.cuda.synchronize()
+                            _synchronize()
         finally:
             with _without_profiler_log():
                 prof.__exit__(None, None, None)

@@ -34,13 +34,37 @@ def arch(device: torch.device | str | None = None) -> str:
     device = torch.device("cuda" if device is None and torch.cuda.is_available() else (device or "cpu"))
     if device.type != "cuda":
         return device.type
-    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_arch(cuda_index(device))
 
 
-@functools.cache
+def cuda_index(device: torch.device | str | int | None = None) -> int:
+    """The index of a CUDA device (``cuda`` or None: the current one), the key of every per-device table."""
+    if isinstance(device, int):
+        return device
+    device = torch.device("cuda" if device is None else device)
+    if device.type != "cuda":
+        raise ValueError(f"expected a CUDA device, got {device}")
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+_flash: dict[int, bool] = {}  # CUDA device index -> flash_attention's answer
+_unified: dict[int, bool] = {}  # CUDA device index -> unified_memory's answer
+
+
 def flash_attention(device: torch.device) -> bool:
     """Whether torch's flash attention kernels run on this CUDA device (NVIDIA sm80 and newer)."""
-    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0)
+    index = cuda_index(device)
+    if index not in _flash:
+        _flash[index] = torch.version.hip is None and torch.cuda.get_device_capability(index) >= (8, 0)
+    return _flash[index]
+
+
+def unified_memory(device: torch.device) -> bool:
+    """Whether this CUDA device shares its memory with the host (an integrated GPU: Jetson, GH200's not)."""
+    index = cuda_index(device)
+    if index not in _unified:
+        _unified[index] = bool(torch.cuda.get_device_properties(index).is_integrated)
+    return _unified[index]
 
 
 @functools.cache

@@ -78,7 +78,10 @@ def moe_expert_parallel(
     expert ids; ids outside ``[0, num_experts)`` contribute nothing. ``local_experts(rows, ids)`` gets the
     ``[N, H]`` rows sent to this rank and ``ids`` ``[N, 1]`` int64, the local expert (``0 <= id < E/W``) of
     each, and returns ``[N, H_out]`` floating (e.g. ``fastft.experts.routed_experts`` with the local expert
-    weights). Every rank of ``group`` must call it, in the same order (it is a collective).
+    weights). Every rank of ``group`` must call it, in the same order (it is a collective). A rank where
+    ``local_experts`` raises (out of memory) takes no part in the all-to-all back, so the others wait there
+    until the group's timeout (``init_process_group(timeout=...)``; NCCL aborts them): let the exception end
+    the process, as torchrun then stops the other ranks, rather than catch it and go on.
 
     ``TypeError`` for a non-tensor ``hidden``/``topk_ids``, a ``local_experts`` that is not callable or
     returns other than a floating tensor; ``ValueError`` for wrong shapes, ``num_experts`` < 1 or not

@@ -25,6 +25,7 @@ import weakref
 import torch
 import torch.utils.checkpoint
 
+from . import capabilities
 from ._checks import int_arg
 from .offloader import Offloader
 
@@ -102,10 +103,6 @@ def check_offload_config(value, name: str = "offload_config") -> OffloadConfig |
 _offloaders: dict = {}  # (device index, number of GPU buffers) -> Offloader
 
 
-def _unified_memory(device: torch.device) -> bool:
-    return bool(torch.cuda.get_device_properties(device).is_integrated)
-
-
 def offloader_for(x, config: OffloadConfig | None = None) -> Offloader | None:
     """The ``Offloader`` that ``offloaded_checkpoint`` would use for layer input ``x``, or None when it
     would checkpoint without offloading."""
@@ -115,11 +112,11 @@ def offloader_for(x, config: OffloadConfig | None = None) -> Offloader | None:
         return None
     if x.numel() * x.element_size() < min_bytes:
         return None
-    unified = _unified_memory(x.device)
+    unified = capabilities.unified_memory(x.device)
     if enabled == "auto" and unified:
         return None
     buffers = 2 if (double is True or (double == "auto" and not unified)) else 1
-    key = (x.device.index if x.device.index is not None else torch.cuda.current_device(), buffers)
+    key = (capabilities.cuda_index(x.device), buffers)
     if key not in _offloaders:
         _offloaders[key] = Offloader(torch.device("cuda", key[0]), buffers)
     return _offloaders[key]

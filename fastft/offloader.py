@@ -25,6 +25,8 @@ from .copy import ALIGN, PackLayout, dense, pack, unpack
 
 __all__ = ["Offloader", "PinnedPool", "HostCopy", "Reload"]
 
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
 # ---- host memory ------------------------------------------------------------------------------------------
 
 
@@ -69,7 +71,9 @@ class PinnedPool:
     def _allocate(self, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8)
         if self.pinned and nbytes:
-            error = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+            # portable: page-locked for every device's context, not only the current device's (the copies run
+            # on the stream's device, which need not be the current one)
+            error = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE)
             if int(error) != 0:
                 self.pinned = False
                 warnings.warn(

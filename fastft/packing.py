@@ -284,6 +284,39 @@ class PackedSeqInfo:
             num_tokens=self.num_tokens, device=self.device, shape=self._shape, backend=self._backend, memo=memo
         )
 
+    def to(self, device: torch.device | str | int, non_blocking: bool = False) -> PackedSeqInfo:
+        """This info on ``device`` (``torch.device``, ``"cuda:1"``, or a CUDA index): itself when it is there
+        already, else a copy made on the first call and kept with this info, so that every layer on that
+        device gets the same one. The boundaries and ids are copied (device to device: no host sync); masks
+        are built again on first request there. accelerate's ``device_map`` hooks call this on a layer's
+        keyword arguments, so a model split over GPUs hands each layer the info on its own device.
+        ``TypeError``/``ValueError`` for what is not a device, or the meta device."""
+        if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+            raise TypeError(f"device must be a torch.device, str or int, got {type(device).__name__}")
+        device = _placed(torch.device(device))
+        if device.type == "meta":
+            raise ValueError("device must not be meta: a PackedSeqInfo holds values")
+        if device == self.device:
+            return self
+        key = ("to", device)
+        moved = self._memo.get(key)
+        if moved is None:
+
+            def copy(v):
+                return v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+
+            memo = {k: copy(v) for k, v in self._memo.items() if isinstance(k, str)}  # masks: built there
+            pending = None if self._pending is None else tuple(copy(t) for t in self._pending)
+            moved = self._memo[key] = PackedSeqInfo(
+                num_tokens=self.num_tokens,
+                device=device,
+                shape=self._shape,
+                backend=self._backend,
+                memo=memo,
+                pending=pending,
+            )
+        return moved
+
     def _ids_shape(self) -> tuple:
         """The shape of ``doc_ids``/``position_ids``: ``[B, T]`` position ids' own, else ``[T]``."""
         return tuple(self._memo.get("ids_shape", (self.num_tokens,)))
@@ -436,6 +469,13 @@ def _host_ints(name: str, value) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.int64).reshape(-1)
 
 
+def _placed(device: torch.device) -> torch.device:
+    """``device`` with its index: ``cuda`` is the current CUDA device (one memo key, one info per device)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
@@ -578,18 +618,17 @@ def packed_seq_info(
     # identity and version counter (inference tensors have none: not memoized).
     tensor = isinstance(value, torch.Tensor)
     memoize = not torch.compiler.is_compiling() and not (tensor and value.is_inference())
+    if device is not None:
+        device = _placed(torch.device(device))  # "cuda": the current device, which the memo key must name
     if memoize:
         ident = (id(value), value._version) if tensor else ints
-        key = (arg, ident, max_seqlen, num_tokens, str(device), backend, os.environ.get("FASTFT_BACKEND"))
+        key = (arg, ident, max_seqlen, num_tokens, device, backend, os.environ.get("FASTFT_BACKEND"))
         hit = _cache.get(key)
         if hit is not None and (hit[0] is None or hit[0]() is value):
             return hit[1]
 
     if device is None:
         device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
 
     if arg == "position_ids":
         info = from_position_ids(value, device, backend)

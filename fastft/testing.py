@@ -357,7 +357,8 @@ def no_host_sync():
     if not torch.cuda.is_available():
         yield
         return
-    torch.cuda.synchronize()
+    for index in range(torch.cuda.device_count()):  # every GPU's pending work, not only the current one's
+        torch.cuda.synchronize(index)
     torch.cuda.set_sync_debug_mode("error")
     try:
         yield

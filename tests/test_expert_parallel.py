@@ -1,6 +1,7 @@
 """``fastft.moe_expert_parallel`` against a dense one-process computation: outputs and the gradients of the
-tokens, the router weights and every expert, with uneven token counts per rank and unrouted ids. Spawned
-processes on gloo (CPU); ``FASTFT_DIST_BACKEND=nccl FASTFT_DIST_WORLD=N`` runs them on N GPUs."""
+tokens, the router weights and every expert, with uneven token counts per rank and unrouted ids; a rank whose
+experts fail ends the run with its error instead of leaving the others in the all-to-all. Spawned processes
+(``fastft.spawn.run``) on gloo (CPU); ``FASTFT_DIST_BACKEND=nccl FASTFT_DIST_WORLD=N`` runs them on N GPUs."""
 
 import os
 import warnings
@@ -14,12 +15,11 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("needs torch.distributed", allow_module_level=True)
 
-import torch.multiprocessing as mp  # noqa: E402
-
-from fastft.spawn import exit_spawned_worker  # noqa: E402
+from fastft import spawn  # noqa: E402
 
 BACKEND = os.environ.get("FASTFT_DIST_BACKEND", "gloo")
 WORLD = int(os.environ.get("FASTFT_DIST_WORLD", "2"))
+TIMEOUT = float(os.environ.get("FASTFT_DIST_TIMEOUT", "300"))
 H, K, LOCAL = 8, 3, 3  # hidden width, top-k, experts per rank
 
 pytestmark = pytest.mark.distributed
@@ -63,58 +63,49 @@ def host_syncs(fn):
     return result, [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
-def worker(rank, init, out, seed):
+def worker(rank, out, seed):
     device = torch.device(f"cuda:{rank}") if BACKEND == "nccl" else torch.device("cpu")
-    if BACKEND == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(BACKEND, init_method=f"file://{init}", rank=rank, world_size=WORLD)
-    try:
-        hidden, ids, weights, upstream, experts = inputs(rank, seed, device)
-        if WORLD > 1:  # checked before any collective
-            with pytest.raises(ValueError, match="divisible"):
-                fastft.moe_expert_parallel(hidden, ids, weights, lambda r, i: r, num_experts=LOCAL * WORLD + 1)
-            with pytest.raises(TypeError, match="local_experts must return a floating-point"):  # on every rank
-                fastft.moe_expert_parallel(
-                    hidden, ids, weights, lambda r, i: i.expand(-1, H), num_experts=LOCAL * WORLD
-                )
-            first = dist.new_group([0])  # every rank takes part in making it; rank 0 alone is in it
-            if rank > 0:
-                with pytest.raises(ValueError, match="not a member"):
-                    fastft.moe_expert_parallel(hidden, ids, weights, lambda r, i: r, num_experts=LOCAL, group=first)
-        local = experts[rank * LOCAL : (rank + 1) * LOCAL].clone().requires_grad_()
-        hidden.requires_grad_()
-        weights.requires_grad_()
-        seen = []
+    hidden, ids, weights, upstream, experts = inputs(rank, seed, device)
+    if WORLD > 1:  # checked before any collective
+        with pytest.raises(ValueError, match="divisible"):
+            fastft.moe_expert_parallel(hidden, ids, weights, lambda r, i: r, num_experts=LOCAL * WORLD + 1)
+        with pytest.raises(TypeError, match="local_experts must return a floating-point"):  # on every rank
+            fastft.moe_expert_parallel(hidden, ids, weights, lambda r, i: i.expand(-1, H), num_experts=LOCAL * WORLD)
+        first = dist.new_group([0])  # every rank takes part in making it; rank 0 alone is in it
+        if rank > 0:
+            with pytest.raises(ValueError, match="not a member"):
+                fastft.moe_expert_parallel(hidden, ids, weights, lambda r, i: r, num_experts=LOCAL, group=first)
+    local = experts[rank * LOCAL : (rank + 1) * LOCAL].clone().requires_grad_()
+    hidden.requires_grad_()
+    weights.requires_grad_()
+    seen = []
 
-        def local_experts(rows, local_ids):
-            seen.append(local_ids)
-            return torch.einsum("nh,nhf->nf", rows, local[local_ids[:, 0]])
+    def local_experts(rows, local_ids):
+        seen.append(local_ids)
+        return torch.einsum("nh,nhf->nf", rows, local[local_ids[:, 0]])
 
-        def forward_pass():
-            return fastft.moe_expert_parallel(hidden, ids, weights, local_experts, num_experts=LOCAL * WORLD)
+    def forward_pass():
+        return fastft.moe_expert_parallel(hidden, ids, weights, local_experts, num_experts=LOCAL * WORLD)
 
-        (forward_pass() * upstream).sum().backward()  # warm-up: NCCL's communicator and the kernels start
-        _, idle = host_syncs(lambda: None)  # and the sync debug mode's own first-use warning, if any
-        for t in (hidden, weights, local):
-            t.grad = None
-        seen.clear()
-        y, forward = host_syncs(forward_pass)
-        _, backward = host_syncs(lambda: (y * upstream).sum().backward())
-        if BACKEND == "nccl":  # the design's one sync: the split sizes, in forward; backward reuses them
-            assert (len(forward), len(backward)) == (1, 0), (forward, backward, idle)
-        assert seen[0].dtype == torch.int64 and seen[0].shape[1:] == (1,)
-        assert bool(((seen[0] >= 0) & (seen[0] < LOCAL)).all())
-        result = {n: t.detach().cpu() for n, t in dict(y=y, hidden=hidden.grad, weights=weights.grad).items()}
-        torch.save({**result, "experts": local.grad.cpu()}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
-    exit_spawned_worker()
+    (forward_pass() * upstream).sum().backward()  # warm-up: NCCL's communicator and the kernels start
+    _, idle = host_syncs(lambda: None)  # and the sync debug mode's own first-use warning, if any
+    for t in (hidden, weights, local):
+        t.grad = None
+    seen.clear()
+    y, forward = host_syncs(forward_pass)
+    _, backward = host_syncs(lambda: (y * upstream).sum().backward())
+    if BACKEND == "nccl":  # the design's one sync: the split sizes, in forward; backward reuses them
+        assert (len(forward), len(backward)) == (1, 0), (forward, backward, idle)
+    assert seen[0].dtype == torch.int64 and seen[0].shape[1:] == (1,)
+    assert bool(((seen[0] >= 0) & (seen[0] < LOCAL)).all())
+    result = {n: t.detach().cpu() for n, t in dict(y=y, hidden=hidden.grad, weights=weights.grad).items()}
+    torch.save({**result, "experts": local.grad.cpu()}, f"{out}.{rank}")
 
 
 def test_matches_dense(tmp_path, rng):
     seed = int(torch.randint(0, 2**31, (), generator=rng))  # the fixture prints its own seed on failure
     out = str(tmp_path / "out")
-    mp.spawn(worker, args=(str(tmp_path / "init"), out, seed), nprocs=WORLD)
+    spawn.run(worker, (out, seed), world=WORLD, backend=BACKEND, timeout=TIMEOUT)
     results = [torch.load(f"{out}.{r}") for r in range(WORLD)]
     experts = inputs(0, seed)[-1].requires_grad_()
     for rank, result in enumerate(results):
@@ -146,3 +137,24 @@ def test_argument_types_are_checked_first():
         fastft.moe_expert_parallel(x, ids.tolist(), w, lambda r, i: r, num_experts=4)
     with pytest.raises(ValueError, match=r"topk_ids must be \[T=4, K\]"):
         fastft.moe_expert_parallel(x, ids[:3], w, lambda r, i: r, num_experts=4)
+
+
+def one_rank_fails_worker(rank):
+    """The last rank's experts raise after the first all-to-alls; the others go on into the all-to-all back."""
+    device = torch.device(f"cuda:{rank}") if BACKEND == "nccl" else torch.device("cpu")
+    hidden, ids, weights, _, experts = inputs(rank, 0, device)
+    local = experts[rank * LOCAL : (rank + 1) * LOCAL]
+
+    def local_experts(rows, local_ids):
+        if rank == WORLD - 1:
+            raise RuntimeError("out of memory in this rank's experts")
+        return torch.einsum("nh,nhf->nf", rows, local[local_ids[:, 0]])
+
+    y = fastft.moe_expert_parallel(hidden, ids, weights, local_experts, num_experts=LOCAL * WORLD)
+    y.sum().item()  # the others wait here for the rank that failed
+
+
+@pytest.mark.skipif(WORLD < 2, reason="needs 2 ranks")
+def test_a_rank_whose_experts_fail_ends_the_run_with_its_error():
+    with pytest.raises(RuntimeError, match=f"rank {WORLD - 1} failed:(.|\n)*out of memory in this rank's experts"):
+        spawn.run(one_rank_fails_worker, world=WORLD, backend=BACKEND, timeout=TIMEOUT)

@@ -26,8 +26,8 @@ class CudaGraph:
 
     def __init__(self, body, pool, stream) -> None:
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            body()
+        with torch.cuda.device(stream.device), torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            body()  # (torch.cuda.graph synchronizes the current device first: the stream's, here)
 
     def replay(self) -> None:
         self.graph.replay()

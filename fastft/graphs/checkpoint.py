@@ -86,6 +86,12 @@ def _module_call(function, args, kwargs):
     return module, target, (*pre_args, *args), {**pre_kwargs, **kwargs}
 
 
+def _layer_device(module, x: torch.Tensor) -> torch.device:
+    """The CUDA device of the layer's first parameter (where it computes), else ``x``'s."""
+    p = next(module.parameters(), None)
+    return p.device if p is not None and p.device.type == "cuda" else x.device
+
+
 def _hooked(module) -> bool:
     """Whether the module or one of its submodules has module hooks (other than profiler ranges, see
     ``fastft.audit``): a replay would not run them."""
@@ -145,6 +151,12 @@ def graphed_checkpoint(
         return eager()
     if not any(t.requires_grad for t in itertools.chain(tensors(leaves), module.parameters())):
         return eager()  # no gradient to compute
+    device = _layer_device(module, x)
+    if any(isinstance(t, (torch.Tensor, PackedSeqInfo)) and t.device != device for t in leaves):
+        # a model split over GPUs (accelerate's device_map): the layer's own hook would move these inside the
+        # call; moved here, they are the graphs' inputs on the layer's device, and autograd takes their
+        # gradients back
+        leaves = [t.to(device) if isinstance(t, (torch.Tensor, PackedSeqInfo)) else t for t in leaves]
     state = module.__dict__.get(_STATE)
     if state is None:
         state = module.__dict__[_STATE] = LayerGraphs()
@@ -160,7 +172,6 @@ def graphed_checkpoint(
     if why is not None:
         _warn(state, module, why)
         return eager()
-    device = x.device
     if policy == "auto" and not launch_bound(state):
         return timed_eager(state, module, device, eager)
     state.calls += 1

@@ -81,13 +81,14 @@ class Probe:
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
+            self.stream = torch.cuda.current_stream(device)  # the layer's device, not the current one
+            self.start.record(self.stream)
         self.t0 = time.perf_counter()
 
     def stop(self) -> None:
         self.host_ms = (time.perf_counter() - self.t0) * 1000
         if self.cuda:
-            self.end.record()
+            self.end.record(self.stream)
 
     def gpu_ms(self) -> float | None:
         """The call's GPU time (its host time without a GPU), or None while the GPU is not done."""
