@@ -19,8 +19,13 @@ found by the transformers integration: this module knows no model library.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import heapq
+import os
+import re
+import sys
+import tempfile
 
 import torch
 
@@ -232,6 +237,34 @@ def _synchronize() -> None:
         torch.cuda.synchronize(index)
 
 
+_KINETO_LOG = re.compile(rb"^(USDT|STAGE):\S+ \S+ \d+:\d+ \S+\.cpp:\d+\] ")  # libkineto's own progress lines
+
+
+@contextlib.contextmanager
+def _without_profiler_log():
+    """The profiler's own start and stop log lines (libkineto's ``USDT:``/``STAGE:`` lines on file descriptor
+    2, which ``KINETO_LOG_LEVEL`` silences only when set before torch loads) left out of the process's stderr;
+    whatever else is written to it meanwhile is passed on."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2: nothing to keep clean
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().splitlines(keepends=True) if not _KINETO_LOG.match(line)]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
 def audit(step, *, model=None, layers=(), steps: int = 3, warmup: int = 1, top: int = 10) -> AuditReport:
     """Profile ``step()`` (a callable running one training step) ``steps`` times after ``warmup`` calls; see
     the module docstring. ``model``: the model ``step`` trains, for per-module sources; ``layers``: modules
@@ -259,14 +292,20 @@ def audit(step, *, model=None, layers=(), steps: int = 3, warmup: int = 1, top: 
         _synchronize()
     ranges = _Ranges(model, layers)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=activities)
     try:
-        with profile(activities=activities) as prof:
+        with _without_profiler_log():
+            prof.__enter__()
+        try:
             for _ in range(steps):
                 with record_function(_STEP):  # the wall time includes draining the GPU's queue, not its sync
                     step()
                     if cuda:
                         with record_function(_WAIT):
                             _synchronize()
+        finally:
+            with _without_profiler_log():
+                prof.__exit__(None, None, None)
     finally:
         ranges.remove()
     events = list(prof.events())

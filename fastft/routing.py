@@ -149,7 +149,7 @@ def route_op(
     packed, offsets, cap = route_buffer(t, k, num_local_experts, block_size, topk_ids.device)
     cfg = autotune.params(OP_ROUTE, topk_ids.device, n)
     # Every scatter program reads the whole (blocks x experts) histogram; past 2**17 entries fewer, larger
-    # blocks win (measured in docs/benchmarks.md, session 5).
+    # blocks win (docs/benchmarks.md).
     if cfg["BLOCK"] < 2048 and -(-n // cfg["BLOCK"]) * num_local_experts > 2**17:
         cfg["BLOCK"] = 2048
     _kernels().route(topk_ids, num_experts, block_size, expert_map, num_local_experts, cap, packed, offsets, **cfg)

@@ -36,8 +36,8 @@ OP_SWIGLU = dispatch.register("swiglu.swiglu")
 # Launch parameters only; dispatched with the forward op.
 OP_SWIGLU_BACKWARD = "swiglu.swiglu_backward"
 
-# Tiles of 4 rows x 1024 columns (fewer for narrower outputs): within 0.4% of the best of 24 tiles for
-# Qwen3-30B-A3B's and gpt-oss's experts each way, on an H100 (docs/benchmarks.md, 2026-11-25, third session).
+# Tiles of 4 rows x 1024 columns (fewer for narrower outputs): near the best of the tiles tried for
+# Qwen3-30B-A3B's and gpt-oss's experts each way (docs/benchmarks.md).
 # The interpreter's small tiles make small test inputs span several programs.
 for _op in (OP_SWIGLU, OP_SWIGLU_BACKWARD):
     autotune.register(

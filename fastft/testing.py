@@ -9,7 +9,7 @@ no-host-sync context, tiny transformers models.
     assert_same(mine, reference, atol=1e-2, rtol=1e-2)                   # any nesting of tensors/ints/lists/dicts
 
 Random inputs come from a ``torch.Generator`` (``random_*``) or, for hypothesis, from the ``*_strategy``
-functions (hypothesis is imported only when one is called). fastft's own per-op checks are ``fastft.checks``.
+functions (hypothesis is imported only when one is called). fastft's own per-op checks are ``fastft.selfcheck``.
 """
 
 from __future__ import annotations

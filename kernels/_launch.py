@@ -5,9 +5,8 @@ host cost of fastft's small kernels (docs/benchmarks.md, "launch floor"). ``laun
 kernel that ``fn[grid]`` returned, under a key that covers everything Triton specializes on (each tensor's
 dtype and 16-byte alignment; each int's value class: 1, a multiple of 16, 32/64-bit; the constexpr and
 launch options), and later launches it through the compiled kernel's own runner (current stream, launch
-hooks honoured). The interpreter (CPU) always takes Triton's own path. Calling the launcher below that
-runner saved ~4 µs a launch but nothing measurable in a training step (docs/benchmarks.md, 2026-11-24),
-so fastft does not reach into it.
+hooks honoured). The interpreter (CPU) always takes Triton's own path. fastft does not reach below that
+runner into the launcher: what that saves per launch is not measurable in a training step (docs/benchmarks.md).
 """
 
 from __future__ import annotations

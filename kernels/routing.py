@@ -8,8 +8,8 @@ Routing is two launches over blocks of ``BLOCK`` pairs:
      program also fills its share of the padding slots (-1) and expert_of_block.
 Launch wrappers take explicit launch parameters; choosing them is fastft.routing's job. Row addressing
 is int64, so tensors past 2**31 elements address correctly. The row kernels let Triton specialize on row
-widths and strides (a multiple of 16 lets it vectorize the row loads and stores; docs/benchmarks.md,
-session 6); only token and pair counts, which change every batch, are not specialized.
+widths and strides (a multiple of 16 lets it vectorize the row loads and stores; docs/benchmarks.md); only
+token and pair counts, which change every batch, are not specialized.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from unittest import mock
 
 import torch
 
-from fastft.bench import e2e
+from fastft.e2e import run
 from fastft.integrations.transformers import experts as ft_experts
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -34,7 +34,7 @@ for model in args.models:
         ("swiglu, experts lora", "fastft, experts lora", shipped),
     ]:
         with mock.patch.object(ft_experts, "gate_activation", gate):
-            (r,) = e2e.run(torch.device("cuda"), False, [model], [column], warmup=3, steps=args.steps)
+            (r,) = run.run(torch.device("cuda"), False, [model], [column], warmup=3, steps=args.steps)
         median = statistics.median(r["step_s"]) * 1000
         line = dict(model=model, run=label, tokens_per_s=round(r["tokens_per_s"]), median_ms=round(median, 1))
         print(json.dumps({**line, "peak_gib": round(r["peak_gib"], 2), "losses": r["losses"]}), flush=True)

@@ -14,5 +14,5 @@ case "${1:-}" in
 esac
 cp autotune_cache/*.json "$OUT/" 2>/dev/null
 python3 -m fastft bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
-python3 -m fastft bench --e2e --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log"
+python3 -m fastft e2e --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.log"
 python3 -m fastft check --seconds 30 2>&1 | tee "$OUT/check.log" | tail -n 5

@@ -8,7 +8,7 @@
 # - liger-kernel: the "liger" columns; flash-linear-attention + fla-core: the "fla" columns (Qwen3.5);
 # - unsloth + unsloth_zoo (2026.10.9: the first pair whose caps admit transformers 5.17), trl 1.15.0 (unsloth's cap),
 #   datasets 4.8.5 with dill and multiprocess, and the pure-python modules they import at import time that the GPU
-#   image lacks: the "unsloth" column (fastft/bench/unsloth.py). The unsloth wheel is rebuilt without its studio/
+#   image lacks: the "unsloth" column (fastft/e2e/unsloth.py). The unsloth wheel is rebuilt without its studio/
 #   folder (a web application: 26 of its 28.6 MB), and its RECORD without those files;
 # - bitsandbytes (QLoRA, --quant nf4; unsloth imports it when present) with only the CUDA libraries named in
 #   BNB_CUDA (default "130 132": the GPU's torch 2.11 is built for CUDA 13.0) and the CPU one: the wheel ships one

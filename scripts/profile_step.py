@@ -2,7 +2,7 @@
 
     python3 scripts/profile_step.py --model Qwen3-14B --column 'fastft + liger' --quant nf4
 
-Builds the column as ``python -m fastft bench --e2e`` does, trains two steps of its padding-free stream (host
+Builds the column as ``python -m fastft e2e`` does, trains two steps of its padding-free stream (host
 lengths: a flattening collator's ``cu_seq_lens_q``), then profiles one. Both aten operators and the kernels
 under them are listed, so the sum of the listed times counts most kernels twice; the first line gives the wall
 time and the kernel time (kernels only). ``fastft audit`` gives launches, syncs and the GPU-busy fraction.
@@ -14,25 +14,27 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fastft.bench import e2e
+from fastft.e2e import stacks, train
+from fastft.e2e.models import MODEL_CONFIGS
+from fastft.e2e.stream import model_stream
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="Qwen3-0.6B", choices=list(e2e.MODELS))
-    parser.add_argument("--column", default="fastft", choices=list(e2e.COLUMNS))
+    parser.add_argument("--model", default="Qwen3-0.6B", choices=list(MODEL_CONFIGS))
+    parser.add_argument("--column", default="fastft", choices=list(stacks.COLUMNS))
     parser.add_argument("--quant", default=None, choices=["nf4"])
     parser.add_argument("--top", type=int, default=18)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_step.py needs a GPU")
     device = torch.device("cuda")
-    (model, _), restore = e2e.build(args.model, args.column, device, False, quant=args.quant)
-    batches = e2e.model_stream(args.model, "padding-free", False, device)
+    (model, _), restore = stacks.build(args.model, args.column, device, False, quant=args.quant)
+    batches = model_stream(args.model, "padding-free", False, device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
     def step():
-        e2e.train_step(model, opt, e2e.step_inputs(args.column, next(batches), args.model, False, True))
+        train.train_step(model, opt, stacks.column_inputs(args.column, next(batches), args.model, False, True))
 
     step()
     step()

@@ -1,5 +1,5 @@
 """What a column's training step holds on the GPU: allocated before the step, the allocator's peak in it, and the
-reserved peak (what ``bench --e2e`` reports: graph pools and the cache included), and what is reserved after the
+reserved peak (what ``e2e`` reports: graph pools and the cache included), and what is reserved after the
 step by pool (the allocator's cache, CUDA graph pools) beside fastft's static buffers.
 
     PYTHONPATH=$PWD python3 scripts/step_memory.py --model Qwen3-0.6B --column 'fastft + liger, graphs' [--live]
@@ -16,26 +16,28 @@ import collections
 
 import torch
 
-from fastft import graph_memory
-from fastft.bench import e2e
+from fastft.e2e import stacks, train
+from fastft.e2e.models import MODEL_CONFIGS
+from fastft.e2e.stream import model_stream
+from fastft.graphs import memory as graph_memory
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-p.add_argument("--model", default="Qwen3-0.6B", choices=list(e2e.MODELS))
-p.add_argument("--column", default="fastft + liger", choices=list(e2e.COLUMNS))
+p.add_argument("--model", default="Qwen3-0.6B", choices=list(MODEL_CONFIGS))
+p.add_argument("--column", default="fastft + liger", choices=list(stacks.COLUMNS))
 p.add_argument("--quant", default=None, choices=["nf4"])
 p.add_argument("--live", action="store_true", help="group the allocations live at the step's peak by source")
 args = p.parse_args()
 if not torch.cuda.is_available():
     raise SystemExit("step_memory.py needs a GPU")
 device = torch.device("cuda")
-stream = e2e.model_stream(args.model, "padding-free", False, device)
+stream = model_stream(args.model, "padding-free", False, device)
 batches = [next(stream) for _ in range(3)]
-(model, _), restore = e2e.build(args.model, args.column, device, False, quant=args.quant)
+(model, _), restore = stacks.build(args.model, args.column, device, False, quant=args.quant)
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
 
 def step(batch):
-    e2e.train_step(model, opt, e2e.step_inputs(args.column, batch, args.model, False))
+    train.train_step(model, opt, stacks.column_inputs(args.column, batch, args.model, False))
 
 
 def source(frames) -> str:

@@ -50,7 +50,7 @@ def rng():
 def grads_close():
     """``torch.testing.assert_close`` for one gradient, and its norm within ``rel`` of the expected one's:
     with bf16's elementwise tolerance near a tiny model's gradients (1e-3 to 2e-2), a zero or wrongly scaled
-    gradient passes the first check but not the second (``rel`` 0.1; bf16 runs here differ by ~1.5%)."""
+    gradient passes the first check but not the second (``rel`` 0.1)."""
 
     def check(got, want, *, msg="", rel=0.1, **tol):
         torch.testing.assert_close(got, want, msg=msg, **tol)

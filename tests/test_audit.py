@@ -154,6 +154,15 @@ def test_importing_audit_does_not_import_transformers():
     assert out.returncode == 0, out.stderr
 
 
+def test_the_profilers_own_log_lines_are_left_out(capfd):
+    from fastft.audit import _without_profiler_log
+
+    kineto = b"USDT:2026-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+    with _without_profiler_log():
+        os.write(2, kineto + b"a real warning\n" + kineto.replace(b"USDT", b"STAGE"))
+    assert capfd.readouterr().err == "a real warning\n"
+
+
 def test_cli_audits_the_e2e_step():
     pytest.importorskip("transformers")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FASTFT_BACKEND": "torch"}
@@ -162,5 +171,6 @@ def test_cli_audits_the_e2e_step():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "top launch sources:" in out.stdout and "layer   1:" in out.stdout
     assert "Llama-3.2-1B, column 'fastft', padding-free stream (tiny config)" in out.stdout  # a fresh batch a step
+    assert "profiler_start" not in out.stderr and "profiler_stop" not in out.stderr  # no stray profiler log
     out = subprocess.run(cmd + ["--column", "fastft, experts lora"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert out.returncode == 2 and "needs a MoE model" in out.stderr and "Traceback" not in out.stderr

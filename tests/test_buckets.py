@@ -1,10 +1,10 @@
-"""fastft.buckets: the token-count ladder and the padding that forms documents of its own."""
+"""fastft.graphs.buckets: the token-count ladder and the padding that forms documents of its own."""
 
 import pytest
 import torch
 
 import fastft
-from fastft import buckets
+from fastft.graphs import buckets
 
 
 def test_token_bucket_ladder():

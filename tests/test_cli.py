@@ -1,8 +1,9 @@
-"""python -m fastft info | check | bench, as a user runs them (on this machine's device)."""
+"""python -m fastft info | check | bench | e2e | audit | tune, as a user runs them (on this machine's device)."""
 
-import importlib.util
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,16 +20,44 @@ def run(*args, **env_vars):
     return subprocess.run([sys.executable, "-m", "fastft", *args], capture_output=True, text=True, env=env, cwd=ROOT)
 
 
-def test_info():
-    out = run("info")
+def test_info_tells_what_a_users_program_runs():
+    user = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTFT_BACKEND")}
+    out = subprocess.run(
+        [sys.executable, "-m", "fastft", "info"],
+        capture_output=True,
+        text=True,
+        env={**user, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert "device:" in out.stdout and "packing.sdpa_mask" in out.stdout and "backend=" in out.stdout
+    if not torch.cuda.is_available():  # no TRITON_INTERPRET: a program on a CPU runs fastft's torch paths
+        assert "backend=triton" not in out.stdout and "CPU, fastft's torch paths" in out.stdout
+        assert "autotune cache: none on a CPU" in out.stdout and "cpu.json" not in out.stdout
 
 
-def test_check_runs_cases():
+def test_the_banner_says_what_fastft_runs_on_a_cpu(monkeypatch):
+    from fastft import cli
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what check and bench run on a CPU
+    monkeypatch.delenv("FASTFT_BACKEND", raising=False)
+    assert cli.describe(cpu).endswith("CPU, fastft's Triton kernels in Triton's interpreter")
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    assert cli.describe(cpu).endswith("CPU, fastft's torch paths")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("FASTFT_BACKEND")
+    assert cli.describe(cpu).endswith("CPU, fastft's torch paths")
+
+
+def test_check_runs_cases_and_says_each_ops_count():
+    from fastft.selfcheck import CHECKS
+
     out = run("check", "--seconds", "1", "--max-tokens", "48")
     assert out.returncode == 0, out.stdout + out.stderr
     assert " 0 failures" in out.stdout
+    for name in CHECKS:
+        assert re.search(rf"^  {name} +\d+ cases, 0 failures$", out.stdout, re.M), name
 
 
 def test_bench_quick_writes_json(tmp_path):
@@ -40,24 +69,18 @@ def test_bench_quick_writes_json(tmp_path):
     assert "sdpa_mask" in out.stdout and "speedup" in out.stdout
 
 
-def test_bench_e2e_runs_tiny_models(tmp_path):
+def test_e2e_runs_one_model_and_ends_with_the_verdict(tmp_path):
     pytest.importorskip("transformers")
+    from fastft.e2e import stacks
+
     path = tmp_path / "e2e.json"
-    out = run("bench", "--e2e", "--quick", "--model", "Qwen3-0.6B", "--json", str(path))
+    out = run("e2e", "--quick", "--model", "Qwen3-0.6B", "--json", str(path))
     assert out.returncode == 0, out.stdout + out.stderr
     rows = json.loads(path.read_text())["rows"]
-    columns = {"naive glue", "stock sdpa", "stock sdpa, padded", "fastft, peft lora", "fastft"}
-    if torch.cuda.is_available():
-        columns.update({"stock sdpa, hf offload", "stock flex", "fastft, graphs"})
-        if importlib.util.find_spec("liger_kernel") is not None:
-            columns.update({"liger + stock flex", "fastft + liger", "fastft + liger, graphs"})
-            columns.add("fastft + liger, graphs auto")
-        if importlib.util.find_spec("unsloth") is not None:
-            columns.add("unsloth")
-    if importlib.util.find_spec("peft") is None:
-        columns.discard("fastft, peft lora")  # the same configuration as "fastft" without peft
-        assert "peft is not installed" in out.stdout
-    assert {r["column"] for r in rows} == columns
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    here = [c for c in stacks.COLUMNS if stacks.why_not(c, device) is None]
+    assert [r["column"] for r in rows] == [c for c in here if stacks.why_not_on(c, "Qwen3-0.6B") is None]
+    assert {"naive glue", "stock sdpa", "fastft"} <= {r["column"] for r in rows}
     assert all(r["step_ms"] > 0 and r["model"] == "Qwen3-0.6B" and r["stream"] == "padding-free" for r in rows)
     for r in rows:  # the default stream: 1 first step, then 2 timed ones, each on a fresh batch
         assert r["warmup"] == 1 and r["steps"] == 2 and len(r["losses"]) == 3 and len(r["first_step_s"]) == 1
@@ -67,49 +90,49 @@ def test_bench_e2e_runs_tiny_models(tmp_path):
             assert captured > 0, r
         elif not r["column"].endswith(", graphs auto"):  # auto captures where it times the layers launch-bound
             assert captured == 0, r
-    assert "first 1 steps" in out.stdout and "| padding-free | " in out.stdout and "vs fastest peer  " in out.stdout
-    assert "loss check Qwen3-0.6B, padding-free: largest relative difference to naive glue over 3 steps" in out.stdout
-    assert "FAILS" not in out.stdout
+    if not stacks.installed("peft"):
+        assert "peft is not installed" in out.stdout
+    assert "first 1 steps" in out.stdout and "| padding-free | " in out.stdout
+    assert "  Qwen3-0.6B, padding-free, against naive glue (3 steps, " in out.stdout and "FAILS" not in out.stdout
+    fastft = sum(stacks.COLUMNS[r["column"]].fastft for r in rows)
+    last = out.stdout.splitlines()[-1]
+    noun = "column equals" if fastft == 1 else "columns equal"
+    assert last.startswith(f"loss check: PASS — {fastft} fastft {noun} the reference within "), last
+    assert "vs fastest peer" not in out.stdout and "x (" not in out.stdout  # tiny configs: no speed ratios
     if not torch.cuda.is_available():
-        assert "not how fast it is" in out.stdout and "peak n/a" in out.stdout and "0.00 GiB" not in out.stdout
+        assert "no speed ratios on a CPU" in out.stdout and "peak" not in out.stdout
         assert "\n    'stock sdpa, hf offload': needs a GPU\n" in out.stdout  # one skipped column a line
+        assert "fastft's torch paths" in out.stdout  # a CPU's default backend
+    else:
+        assert "no speed ratios with --quick's tiny configs" in out.stdout
+    png = tmp_path / "e2e.png"
+    assert png.exists() or f"no chart {png}: matplotlib is not installed (pip install matplotlib)" in out.stdout
 
 
-def test_bench_e2e_columns_of_a_moe_model(tmp_path):
+def test_e2e_columns_of_a_moe_model(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
     path = tmp_path / "e2e.json"
     columns = ["stock sdpa", "fastft", "fastft, experts lora"]
-    out = run(
-        "bench",
-        "--e2e",
-        "--quick",
-        "--model",
-        "Qwen3-30B-A3B",
-        *[f"--column={c}" for c in columns],
-        "--stream=fixed",
-        "--steps=1",
-        "--json",
-        str(path),
-        FASTFT_BACKEND="torch",  # the interpreter's routing is slow, and not what this checks
-    )
+    args = ["--model", "Qwen3-30B-A3B", *[f"--column={c}" for c in columns], "--stream=fixed", "--steps=1"]
+    out = run("e2e", "--quick", *args, "--json", str(path))
     assert out.returncode == 0, out.stdout + out.stderr
     rows = json.loads(path.read_text())["rows"]
     assert [r["column"] for r in rows] == columns
     assert all(r["stream"] == "fixed" and r["tokens_min"] == r["tokens_max"] == 256 for r in rows)
     assert all(len(r["losses"]) == 2 for r in rows)
-    assert "| fastft, experts lora |" in out.stdout and "x (stock sdpa) |" in out.stdout
-    assert "loss check Qwen3-30B-A3B, fixed: largest relative difference to stock sdpa" in out.stdout
-    assert "FAILS" not in out.stdout
+    assert "| fastft, experts lora |" in out.stdout
+    assert "  Qwen3-30B-A3B, fixed, against stock sdpa (2 steps, " in out.stdout
+    assert out.stdout.splitlines()[-1].startswith("loss check: PASS — 2 fastft columns")
 
 
 @pytest.mark.distributed
-def test_bench_e2e_nproc(tmp_path):
+def test_e2e_nproc(tmp_path):
     pytest.importorskip("transformers")
     path = tmp_path / "dist.json"
     args = ["--model", "Qwen3-30B-A3B", "--column", "fastft", "--parallel", "ep", "--parallel", "fsdp2"]
     nproc = str(min(2, torch.cuda.device_count())) if torch.cuda.is_available() else "2"
-    out = run("bench", "--e2e", "--quick", "--nproc", nproc, *args, "--json", str(path), FASTFT_BACKEND="torch")
+    out = run("e2e", "--quick", "--nproc", nproc, *args, "--json", str(path))
     assert out.returncode == 0, out.stdout + out.stderr
     rows = json.loads(path.read_text())["rows"]
     worlds = sorted({1, int(nproc)})
@@ -122,32 +145,44 @@ def test_bench_e2e_nproc(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("bench", "--e2e", "--parallel", "ep"), "--parallel is taken with --nproc only"),
-        (("bench", "--nproc", "2"), "--nproc is taken with --e2e only"),
-        (("bench", "--e2e", "--nproc", "0"), "--nproc: must be > 0, got 0"),
-        (("bench", "--e2e", "--nproc", "2", "--parallel", "tp"), "invalid choice: 'tp'"),
-        (("bench", "--e2e", "--model", "llama"), "invalid choice: 'llama' (choose from 'Llama-3.2-1B'"),
-        (("bench", "--model", "Qwen3-0.6B"), "--model is taken with --e2e only"),
-        (("bench", "--column", "fastft"), "--column is taken with --e2e only"),
-        (("bench", "--e2e", "--column", "liger"), "invalid choice: 'liger' (choose from 'naive glue'"),
-        (("bench", "--e2e", "--stream", "packed"), "invalid choice: 'packed' (choose from 'fixed', 'padding-free'"),
-        (("bench", "--steps", "50"), "--steps is taken with --e2e only"),
-        (("bench", "--e2e", "--nproc", "2", "--stream", "fixed"), "--stream is taken with --e2e only (not with"),
-        (("bench", "--e2e", "--warmup", "0"), "--warmup: must be > 0, got 0"),
+        (("e2e", "--parallel", "ep"), "--parallel is taken with --nproc only"),
+        (("bench", "--nproc", "2"), "unrecognized arguments: --nproc 2"),
+        (("bench", "--e2e"), "bench --e2e is now its own command: python -m fastft e2e"),
+        (("e2e", "--nproc", "0"), "--nproc: must be > 0, got 0"),
+        (("e2e", "--nproc", "2", "--parallel", "tp"), "invalid choice: 'tp'"),
+        (("e2e", "--model", "llama"), "invalid choice: 'llama' (choose from 'Llama-3.2-1B'"),
+        (("bench", "--model", "Qwen3-0.6B"), "unrecognized arguments: --model"),
+        (("e2e", "--column", "liger"), "invalid choice: 'liger' (choose from 'naive glue'"),
+        (("e2e", "--stream", "packed"), "invalid choice: 'packed' (choose from 'fixed', 'padding-free'"),
+        (("e2e", "--nproc", "2", "--stream", "fixed"), "--stream is not taken with --nproc"),
+        (("e2e", "--warmup", "0"), "--warmup: must be > 0, got 0"),
+        (("e2e", "--backend", "cuda"), "invalid choice: 'cuda' (choose from 'auto', 'torch', 'triton')"),
+        (
+            ("tune", "--only", "attention"),
+            "invalid choice: 'attention' (choose from 'delta_rule'",
+        ),
         (("audit", "--stream", "both"), "invalid choice: 'both' (choose from 'fixed', 'padding-free')"),
         (("check", "--max-tokens", "0"), "--max-tokens: must be > 0, got 0"),
         (("check", "--max-tokens", "-3"), "--max-tokens: must be > 0, got -3"),
         (("check", "--seconds", "x"), "--seconds: expected a float, got 'x'"),
         (("info", "--device", "nonsense"), "--device: not a torch device: 'nonsense'"),
-        (("bench", "--e2e", "--json", "no-such-folder/e2e.json"), "the folder"),
+        (("e2e", "--json", "no-such-folder/e2e.json"), "the folder"),
         (("bench", "--quick", "--json", "no-such-folder/bench.json"), "no-such-folder does not exist"),
-        (("bench", "--json", "tests"), "--json tests: not a file this user can write"),
+        (("bench", "--json", "tests"), "--json: tests: not a file this user can write"),
         (
-            ("bench", "--e2e", "--quick", "--model", "Qwen3-30B-A3B", "--nproc", "5", "--parallel", "ep"),
+            ("e2e", "--quick", "--model", "Qwen3-30B-A3B", "--nproc", "5", "--parallel", "ep"),
             "8 experts do not split over --nproc 5",
         ),
         (
-            ("bench", "--e2e", "--model", "Qwen3-0.6B", "--column", "fastft, experts lora"),
+            ("e2e", "--nproc", "2", "--model", "Qwen3-0.6B", "--parallel", "ep"),
+            "--parallel ep needs a MoE --model (Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-MoE)",
+        ),
+        (
+            ("e2e", "--nproc", "2", "--model", "Qwen3-30B-A3B", "--parallel", "ep", "--column", "stock sdpa"),
+            "--parallel ep is fastft's expert parallelism: it needs a fastft --column",
+        ),
+        (
+            ("e2e", "--model", "Qwen3-0.6B", "--column", "fastft, experts lora"),
             "--column 'fastft, experts lora' needs a MoE model, not Qwen3-0.6B",
         ),
     ],
@@ -170,7 +205,7 @@ def test_cuda_device_without_gpu_is_a_usage_error():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a missing GPU")
 def test_gpu_only_column_on_a_cpu_says_why():
-    out = run("bench", "--e2e", "--column", "stock flex")
+    out = run("e2e", "--column", "stock flex")
     assert out.returncode == 2 and "--column 'stock flex' cannot run here: it needs a GPU" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and "ms/step" not in out.stdout  # refused before any column ran
 
@@ -178,16 +213,15 @@ def test_gpu_only_column_on_a_cpu_says_why():
 def test_help_lists_every_command_and_defines_the_ratios():
     out = run("--help")
     assert out.returncode == 0, out.stderr
-    for command in ("info", "check", "bench", "audit", "tune"):
+    for command in ("info", "check", "bench", "e2e", "audit", "tune"):
         assert f"    {command} " in out.stdout, f"{command} missing from --help"
     assert "``" not in out.stdout  # reST markup read raw
-    out = run("bench", "--help")
+    out = run("e2e", "--help")
     assert "vs fastest peer  fastft columns:" in out.stdout and "ms / fastft's  " in out.stdout
+    assert "Llama-3.2-1B" in out.stdout and "loss check: PASS" in out.stdout
 
 
 def test_every_option_has_help():
-    import argparse
-
     from fastft.__main__ import build_parser
 
     parser = build_parser()
@@ -195,4 +229,17 @@ def test_every_option_has_help():
     for name, command in sub.choices.items():
         for action in command._actions:
             assert action.help, f"{name} {action.option_strings} has no help text"
-    assert "Llama-3.2-1B" in run("bench", "--help").stdout
+
+
+def test_one_list_of_op_families():
+    """bench runs a module per op family, found in fastft/bench/; tune offers the families it measures."""
+    from fastft import bench
+    from fastft.__main__ import build_parser
+
+    names = sorted(p.stem for p in (ROOT / "fastft" / "bench").glob("*.py") if p.stem not in ("__init__", "common"))
+    assert list(bench.FAMILIES) == names and all(hasattr(m, "run") for m in bench.modules().values())
+    assert bench.tuned() == tuple(n for n, m in bench.modules().items() if hasattr(m, "tune_launchers"))
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    only = {name: next(a for a in sub.choices[name]._actions if a.dest == "only").choices for name in ("bench", "tune")}
+    assert only == {"bench": list(bench.FAMILIES), "tune": list(bench.tuned())}

@@ -220,8 +220,8 @@ def test_gpu_bf16_real_sizes_without_host_sync(rng, channels, width, activation)
 
 def test_the_check_command_case(device, rng):
     """``python -m fastft check``'s conv case: the dispatched backend against the reference, every gradient."""
-    from fastft import checks
+    from fastft import selfcheck
 
-    assert checks.CHECKS["conv"] is checks.check_conv
+    assert selfcheck.CHECKS["conv"] is selfcheck.check_conv
     for _ in range(3):
-        checks.check_conv(rng, device, 24)
+        selfcheck.check_conv(rng, device, 24)

@@ -4,20 +4,20 @@ import pytest
 import torch
 from hypothesis import given
 
-from fastft import checks, copy, testing
+from fastft import copy, selfcheck, testing
 from fastft.kernels import copy as kernels
 
 
 @given(testing.seeds_strategy())
 def test_pack_unpack_match_reference(device, seed):
     g = torch.Generator().manual_seed(seed)
-    checks.check_copy_case(checks.random_copy_case(g, device, 256), backend="triton")
+    selfcheck.check_copy_case(selfcheck.random_copy_case(g, device, 256), backend="triton")
 
 
 def test_torch_backend_round_trips(rng):
     g = rng
     for _ in range(20):
-        checks.check_copy_case(checks.random_copy_case(g, "cpu", 256), backend="torch")
+        selfcheck.check_copy_case(selfcheck.random_copy_case(g, "cpu", 256), backend="torch")
 
 
 def test_layout_offsets_are_aligned_and_packed():
@@ -47,7 +47,7 @@ def test_more_dims_than_the_kernel_takes_still_copy(device):
     base = torch.randn(3, 3, 3, 3, 3, 3, 3, device=device)
     t = base[::2, ::2, ::2, ::2, ::2, ::2, ::2]  # no two dimensions merge: 7 > MAX_DIMS
     assert len(kernels.merged_dims(t.shape, t.stride(), t.contiguous().stride())) > kernels.MAX_DIMS
-    checks.check_copy_case([t], backend="triton")
+    selfcheck.check_copy_case([t], backend="triton")
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -113,7 +113,7 @@ def test_bad_input():
 def test_pack_unpack_random_cases_on_gpu(rng):
     g = rng
     for _ in range(200):
-        checks.check_copy_case(checks.random_copy_case(g, "cuda", 1 << 16))
+        selfcheck.check_copy_case(selfcheck.random_copy_case(g, "cuda", 1 << 16))
 
 
 @pytest.mark.gpu

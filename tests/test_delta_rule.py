@@ -246,6 +246,7 @@ def test_works_under_checkpoint(device, rng, backend):
             torch.testing.assert_close(x.grad, e, rtol=0, atol=0)
 
 
+@pytest.mark.gpu  # no_host_sync checks nothing without CUDA
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_host_sync_from_host_lengths(device, rng, backend):
     info = fastft.packed_seq_info(seq_lengths=[9, 1, 20, 2], device=device)
@@ -255,6 +256,7 @@ def test_no_host_sync_from_host_lengths(device, rng, backend):
         torch.autograd.grad(out.sum(), inputs)
 
 
+@pytest.mark.gpu  # no_host_sync checks nothing without CUDA
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_device_position_ids_sync_once_for_num_seqs(device, rng, backend):
     pos = testing.random_position_ids(rng, 2, 16, 7).to(device)

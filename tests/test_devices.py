@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastft
-from fastft import checks, graphs
+from fastft import graphs, selfcheck
 from fastft.offload import OffloadConfig, offloader_for
 from fastft.testing import assert_same, randint, random_strided_tensor
 
@@ -69,9 +69,9 @@ def test_integer_ops_on_another_device(op, seed):
 
     def case(device, g):
         if op == "packing":
-            return checks.packing_outputs(**checks.random_packing_case(g, device, 512))
+            return selfcheck.packing_outputs(**selfcheck.random_packing_case(g, device, 512))
         if op == "routing":
-            return checks.routing_outputs(**checks.random_routing_case(g, device, 256))
+            return selfcheck.routing_outputs(**selfcheck.random_routing_case(g, device, 256))
         from fastft import copy
 
         tensors = [random_strided_tensor(g, device, 4096) for _ in range(1 + randint(g, 0, 3))]
@@ -87,7 +87,7 @@ def _grads(out, leaves, seed):
 
 
 def attention_case(device, g):
-    case = checks.random_attention_case(g, device, 256)
+    case = selfcheck.random_attention_case(g, device, 256)
     info = fastft.packed_seq_info(position_ids=case["position_ids"])
     q, k, v = (case[n].to(torch.bfloat16).requires_grad_() for n in ("q", "k", "v"))
     sinks = None if case["sinks"] is None else case["sinks"].to(torch.bfloat16)
@@ -147,7 +147,7 @@ def experts_case(device, g):
 def lora_case(device, g):
     from fastft.lora import lora_linear
 
-    x, weight, bias, lora_a, lora_b, scaling = checks.random_lora_case(g, device, torch.bfloat16)
+    x, weight, bias, lora_a, lora_b, scaling = selfcheck.random_lora_case(g, device, torch.bfloat16)
     return _grads(lora_linear(x, weight, bias, lora_a, lora_b, scaling), [x, lora_a, lora_b], 6)
 
 

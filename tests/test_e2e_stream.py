@@ -1,5 +1,6 @@
-"""The e2e benchmark's stream of fresh packed batches (fastft.bench.stream) and the harness's host-side parts
-(columns table, schedule, loss check, table); the CLI runs of the whole benchmark are in test_cli.py."""
+"""The main job's stream of fresh packed batches (fastft.e2e.stream) and its host-side parts: the rules of the
+columns table, the schedule, the loss check and its verdict, the table; the CLI runs of the whole job are in
+test_cli.py."""
 
 import itertools
 import types
@@ -7,8 +8,9 @@ import types
 import pytest
 import torch
 
-from fastft.bench import e2e
-from fastft.bench.stream import IGNORE, KINDS, pack, packed_stream
+from fastft.e2e import report, run, stacks, train
+from fastft.e2e.models import MODEL_CONFIGS, has_sinks, is_moe, num_experts
+from fastft.e2e.stream import IGNORE, KINDS, pack, packed_stream, streams_of
 
 
 def _seed(rng) -> int:
@@ -75,39 +77,62 @@ def test_bad_stream_arguments_fail_at_the_call():
     with pytest.raises(ValueError, match=r"max_len must be an int in \[16, budget=64\], got 65"):
         packed_stream("fixed", 64, max_len=65)
     with pytest.raises(ValueError, match="stream must be one of 'fixed', 'padding-free', 'both', got 'all'"):
-        e2e.streams_of("all")
+        streams_of("all")
     with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
-        e2e.schedule(True, steps=0)
-    assert e2e.streams_of(None) == ("padding-free",) and e2e.streams_of("both") == KINDS
-    assert e2e.schedule(True) == (1, 2) and e2e.schedule(False) == (3, 20) and e2e.schedule(False, 2, 50) == (2, 50)
+        train.schedule(True, steps=0)
+    assert streams_of(None) == ("padding-free",) and streams_of("both") == KINDS
+    assert train.schedule(True) == (1, 2) and train.schedule(False) == (3, 20)
+    assert train.schedule(False, 2, 50) == (2, 50)
 
 
-def test_the_columns_table():
-    c = e2e.COLUMNS
-    assert {n for n in c if c[n].peer} == {n for n in c if "stock" in n} | {"unsloth"}
-    assert {n for n in c if c[n].padded} == {"stock sdpa, padded", "stock sdpa, padded, fla"}
-    assert {n for n in c if c[n].mixers_only} == {n for n in c if "flash-linear-attention" in c[n].needs}
-    assert {n for n in c if c[n].fastft} == {n for n in c if n.startswith("fastft")}
-    assert not (c["naive glue"].peer or c["naive glue"].fastft)
-    assert [n for n in c if "liger-kernel" in c[n].needs] == [
-        "liger + stock flex",
-        "fastft + liger",
-        "fastft + liger, graphs",
-        "fastft + liger, graphs auto",
-        "fastft + liger, graphs, experts lora",
-    ]
-    assert [n for n in c if c[n].moe_only] == ["fastft, experts lora", "fastft + liger, graphs, experts lora"]
-    cpu = torch.device("cpu")
-    assert e2e.why_not("stock flex", cpu) == "needs a GPU"
-    assert set(e2e.columns(cpu)) == {n for n in c if not c[n].gpu_only and e2e.why_not(n, cpu) is None}
+def test_the_columns_table_keeps_its_rules():
+    for name, c in stacks.COLUMNS.items():
+        assert c.name == name
+        # fastft's columns are compared with the peers; the peers are the users' stacks without fastft
+        assert c.fastft == name.startswith("fastft") and not (c.fastft and c.peer)
+        assert c.peer == (not c.fastft and name != "naive glue")
+        assert c.padded == ("padded" in name)
+        # the name says what a column needs: Liger (a GPU package), CUDA graphs, LoRA on the experts (peft, MoE)
+        assert ("liger-kernel" in c.needs) == ("liger" in name)
+        assert ("flash-linear-attention" in c.needs) == name.endswith(", fla") == c.mixers_only
+        assert c.moe_only == ("experts lora" in name)
+        if c.moe_only:
+            assert "peft" in c.needs
+        if "liger" in name or "graphs" in name or "hf offload" in name or c.own_process:
+            assert c.gpu_only, name
+        assert c.own_process == (name == "unsloth")
+    assert list(stacks.COLUMNS)[:3] == ["naive glue", "stock sdpa", "stock sdpa, padded"]  # the references first
+    assert report.REFERENCES == ("naive glue", "stock sdpa", "stock sdpa, padded")
+
+
+def test_which_columns_run_here():
+    c, cpu = stacks.COLUMNS, torch.device("cpu")
+    assert stacks.why_not("stock flex", cpu) == "needs a GPU"
+    assert set(stacks.columns(cpu)) == {n for n in c if not c[n].gpu_only and stacks.why_not(n, cpu) is None}
     # named columns run in the order named (to move one-time costs off a column), each once; GPU-only ones dropped
     named = ["stock sdpa", "fastft", "naive glue", "fastft", "stock flex"]
-    assert e2e.columns(cpu, named) == ["stock sdpa", "fastft", "naive glue"]
+    assert stacks.columns(cpu, named) == ["stock sdpa", "fastft", "naive glue"]
+
+
+def test_one_answer_to_is_this_model_moe():
+    for name, (config, fields, _) in MODEL_CONFIGS.items():
+        experts = fields.get("num_experts", fields.get("num_local_experts", 0))
+        assert is_moe(name) == (experts > 0) == ("Moe" in config or config == "GptOssConfig"), name
+        assert num_experts(name) == experts and num_experts(name, tiny=True) == (8 if experts else 0)
+        assert has_sinks(name) == (config == "GptOssConfig")
+    assert is_moe("Qwen3.5-MoE") and not is_moe("Qwen3.5")
+
+
+def test_a_cpu_runs_one_dense_one_moe_and_one_hybrid_model_by_default():
+    cpu, cuda = torch.device("cpu"), types.SimpleNamespace(type="cuda")
+    assert [run.kind_of(n) for n in run.models_of(cpu)] == ["dense", "MoE", "hybrid"]
+    assert run.models_of(cpu, everything=True) == run.models_of(cuda) == list(MODEL_CONFIGS)
+    assert run.models_of(cpu, ["Qwen3.5-MoE"]) == ["Qwen3.5-MoE"] and run.kind_of("Qwen3.5-MoE") == "hybrid MoE"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the skipped columns of a CPU run")
 def test_skipped_columns_one_a_line():
-    text = e2e.describe(torch.device("cpu"), True, ["fastft", "stock sdpa, hf offload", "fastft + liger, graphs"])
+    text = run.describe(torch.device("cpu"), True, ["fastft", "stock sdpa, hf offload", "fastft + liger, graphs"])
     assert "\n    'stock sdpa, hf offload': needs a GPU\n    'fastft + liger, graphs': needs a GPU\n" in text
     assert "'stock flex'" not in text  # not asked for
 
@@ -131,18 +156,43 @@ def _record(column, losses, tokens_per_s, model="Qwen3-0.6B", stream="padding-fr
         tokens_min=900,
         tokens_max=1000,
         peak_gib=None,
+        leaks=False,
     )
 
 
-def test_loss_check_compares_every_step():
+def test_loss_check_compares_every_step_and_ends_with_one_verdict():
     base = [2.0, 1.9, 1.8]
     records = [_record("naive glue", base, 100.0), _record("fastft", base, 300.0)]
-    ok, text = e2e.loss_check(records + [_record("stock sdpa", [2.0, 1.9, 1.9], 200.0)])
-    assert ok and "'stock sdpa' 5.6e-02 (step 2) (differs)" in text and "over 3 steps" in text
-    ok, text = e2e.loss_check(records + [_record("fastft, peft lora", [2.0, 1.91, 1.8], 250.0)])
+    ok, text = report.loss_check(records + [_record("stock sdpa", [2.0, 1.9, 1.9], 200.0)])
+    assert ok and "'stock sdpa' 5.6e-02 (step 2) (differs)" in text and "(3 steps, " in text
+    assert text.splitlines()[-1] == (
+        "loss check: PASS — 1 fastft column equals the reference within 1e-4 relative at every step "
+        "(largest difference 0.0e+00)"
+    )
+    ok, text = report.loss_check(records + [_record("fastft, peft lora", [2.0, 1.91, 1.8], 250.0)])
     assert not ok and "'fastft, peft lora' 5.3e-03 (step 1) FAILS" in text
+    assert text.splitlines()[-1].startswith("loss check: FAIL — 1 of 2 fastft columns differ from the reference: ")
     other = [_record(r["column"], r["losses"], 1.0, stream="fixed") for r in records]
-    assert e2e.loss_check(records + other)[1].count("loss check Qwen3-0.6B, ") == 2  # one line per stream
+    ok, text = report.loss_check(records + other)
+    assert text.count("  Qwen3-0.6B, ") == 2 and "PASS — 2 fastft columns" in text  # one line per stream
+
+
+def test_a_fastft_column_that_did_not_finish_fails_the_check():
+    base = [2.0, 1.9, 1.8]
+    nan = _record("fastft", [2.0, float("nan"), 1.8], 300.0)
+    ok, text = report.loss_check([_record("naive glue", base, 100.0), nan])
+    assert not ok and "'fastft' did not finish (a loss is not finite)" in text.splitlines()[-1]
+    oom = {**_record("fastft", [float("nan")] * 3, 300.0), "error": "out of memory"}
+    ok, text = report.loss_check([_record("naive glue", base, 100.0), oom])
+    assert not ok and "'fastft' did not finish (out of memory)" in text
+
+
+def test_no_reference_no_verdict_of_equality():
+    ok, text = report.loss_check([_record("fastft", [2.0], 300.0)])
+    assert ok and text == (
+        "loss check: not run — no fastft column ran beside a reference column (naive glue, stock sdpa, "
+        "stock sdpa, padded)"
+    )
 
 
 def test_table_compares_fastft_with_the_fastest_peer_of_its_stream():
@@ -153,12 +203,18 @@ def test_table_compares_fastft_with_the_fastest_peer_of_its_stream():
         _record("stock sdpa", [2.0], 50.0, stream="fixed"),
         _record("fastft", [2.0], 300.0, stream="fixed"),
     ]
-    table = e2e.format_table(records)
+    table = report.format_table(records)
     row = "| padding-free | 900-1000 | fastft | 300 | 3333.3 | 1.5 (1) | - | - | n/a | - |"
     assert row + " 2.00x (stock sdpa, hf offload) |" in table
     assert "| fixed | 900-1000 | fastft | 300 | 3333.3 | 1.5 (1) | - | - | n/a | - | 6.00x (stock sdpa) |" in table
     assert "| stock sdpa | 100 | 10000.0 | 1.5 (1) | - | - | n/a | 3.00x | - |" in table
-    assert "vs fastest peer  fastft columns: this column's tokens/s / the highest tokens/s" in e2e.LEGEND
+    assert "vs fastest peer  fastft columns: this column's tokens/s / the highest tokens/s" in report.legend()
+    # a CPU run: no speed ratios, nor the columns that hold nothing there
+    cpu = report.format_table(records, ratios=False)
+    head = "| model | layers | stream | tokens/step | column | tokens/s | step ms | first steps s |"
+    assert cpu.splitlines()[0] == head and "| padding-free | 900-1000 | fastft | 300 | 3333.3 | 1.5 (1) |" in cpu
+    assert "x (" not in cpu and "x |" not in cpu
+    assert "vs fastest peer" not in report.legend(ratios=False)
 
 
 def test_train_counts_what_torch_compile_compiles_in_each_step():
@@ -174,19 +230,21 @@ def test_train_counts_what_torch_compile_compiles_in_each_step():
             return types.SimpleNamespace(loss=loss(x))
 
     inputs = [{"x": torch.randn(n, 4)} for n in (3, 3, 5, 5, 7)]  # a new shape: a recompile
-    steps = e2e.train(Model(), inputs, 2, torch.device("cpu"))
+    seen = []
+    steps = train.train(Model(), inputs, 2, torch.device("cpu"), on_step=lambda *a: seen.append(a[:2]))
     assert steps.compiles == [1, 0, 1, 0, 1] and steps.captures == [0] * 5
     assert len(steps.losses) == len(steps.seconds) == 5 and all(s > 0 for s in steps.seconds)
     assert steps.peak_bytes == -1  # no GPU memory to count
+    assert seen == [(i, 5) for i in range(5)]  # progress after each step
 
 
 def test_train_primed_times_a_second_pass_and_counts_the_first_as_first_steps(monkeypatch):
     calls = []
 
-    def fake_train(model, inputs, warmup, device, lr=1e-5):
+    def fake_train(model, inputs, warmup, device, lr=1e-5, on_step=None):
         calls.append(lr)
         first = lr == 0
-        return e2e.Steps(
+        return train.Steps(
             losses=[9.0, 8.0, 7.0] if first else [1.0, 2.0, 3.0],
             seconds=[5.0, 2.0, 2.0] if first else [0.5, 0.25, 0.25],
             compiles=[3, 1, 0] if first else [0, 0, 0],
@@ -194,14 +252,14 @@ def test_train_primed_times_a_second_pass_and_counts_the_first_as_first_steps(mo
             peak_bytes=100 if first else 80,
         )
 
-    monkeypatch.setattr(e2e, "train", fake_train)
+    monkeypatch.setattr(train, "train", fake_train)
     gpu = types.SimpleNamespace(type="cuda")
-    steps = e2e.train_primed(None, [{}] * 3, 1, gpu)
+    steps = train.train_primed(None, [{}] * 3, 1, gpu)
     assert calls == [0.0, 1e-5]  # learning rate 0 first: no weight changes before the measured pass
     assert steps.losses == [1.0, 2.0, 3.0] and steps.seconds == [0.5, 0.25, 0.25] and steps.peak_bytes == 80
     assert steps.compiles == [4, 0, 0] and steps.captures == [7, 0, 0] and steps.prime_s == 9.0
     calls.clear()
-    assert e2e.train_primed(None, [{}] * 3, 1, torch.device("cpu")).prime_s == 0 and calls == [1e-5]
+    assert train.train_primed(None, [{}] * 3, 1, torch.device("cpu")).prime_s == 0 and calls == [1e-5]
 
 
 @pytest.mark.gpu
@@ -219,9 +277,9 @@ def test_train_primed_leaves_the_weights_to_the_second_pass():
             return types.SimpleNamespace(loss=self.linear(x).square().mean())
 
     inputs = [{"x": torch.randn(4 + n, 8, device="cuda")} for n in range(4)]
-    primed = e2e.train_primed(Loss(), inputs, 1, torch.device("cuda"))
+    primed = train.train_primed(Loss(), inputs, 1, torch.device("cuda"))
     model.load_state_dict(start)
-    plain = e2e.train(Loss(), inputs, 1, torch.device("cuda"))
+    plain = train.train(Loss(), inputs, 1, torch.device("cuda"))
     torch.testing.assert_close(primed.losses, plain.losses, rtol=1e-6, atol=0)  # the first pass moved no weight
     assert primed.prime_s > 0
 
@@ -233,12 +291,12 @@ def test_a_peer_that_fails_is_its_rows_result_and_fastft_failing_stops_the_run(m
     def refuse(*args, **kwargs):
         raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results")
 
-    monkeypatch.setattr(e2e, "train", refuse)
+    monkeypatch.setattr(train, "train", refuse)
     cpu = torch.device("cpu")
-    (record,) = e2e.run(cpu, True, ["Qwen3-0.6B"], ["stock sdpa"], stream="fixed", warmup=1, steps=1)
+    (record,) = run.run(cpu, True, ["Qwen3-0.6B"], ["stock sdpa"], stream="fixed", warmup=1, steps=1)
     assert (
         record["error"].startswith("RuntimeError: Triton >= 3.4.0") and record["tokens_per_s"] != record["tokens_per_s"]
     )
     assert "stock sdpa             failed: RuntimeError: Triton >= 3.4.0" in capsys.readouterr().out
     with pytest.raises(RuntimeError, match="Hopper"):
-        e2e.run(cpu, True, ["Qwen3-0.6B"], ["fastft"], stream="fixed", warmup=1, steps=1)
+        run.run(cpu, True, ["Qwen3-0.6B"], ["fastft"], stream="fixed", warmup=1, steps=1)

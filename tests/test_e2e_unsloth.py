@@ -1,4 +1,4 @@
-"""The e2e benchmark's ``unsloth`` column (``fastft.bench.unsloth``) without Unsloth or a GPU: it is listed,
+"""The main job's ``unsloth`` column (``fastft.e2e.unsloth``) without Unsloth or a GPU: it is listed,
 skipped on CPUs with its reason, its worker's command line and environment, its dispatch and failure record, and
 the local model folder its loader reads."""
 
@@ -11,27 +11,27 @@ import sys
 import pytest
 import torch
 
-from fastft.bench import e2e
-from fastft.bench import unsloth as worker
+from fastft.e2e import models, report, run, stacks, stream, train
+from fastft.e2e import unsloth as worker
 
 transformers = pytest.importorskip("transformers")
 CPU = torch.device("cpu")
 
 
 def test_listed_gpu_only_and_skipped_on_cpu_with_its_reason():
-    column = e2e.COLUMNS["unsloth"]
+    column = stacks.COLUMNS["unsloth"]
     assert column.gpu_only and column.needs == ("unsloth",) and column.peer and not column.fastft
-    assert column.own_process is not None
-    assert e2e.why_not("unsloth", CPU) == "needs a GPU"
-    assert "unsloth" not in e2e.columns(CPU)
-    assert "'unsloth': needs a GPU" in e2e.describe(CPU, True, only=["unsloth"])
+    assert column.own_process
+    assert stacks.why_not("unsloth", CPU) == "needs a GPU"
+    assert "unsloth" not in stacks.columns(CPU)
+    assert "'unsloth': needs a GPU" in run.describe(CPU, True, only=["unsloth"])
     with pytest.raises(RuntimeError, match="process of its own"):
         column.setup(None, "Qwen3-0.6B")
 
 
 def test_command_line():
     argv = worker.command("Qwen3-0.6B", "padding-free", False, 3, 10, "/tmp/r.json", "cuda")
-    assert argv[:3] == [sys.executable, "-m", "fastft.bench.unsloth"]
+    assert argv[:3] == [sys.executable, "-m", "fastft.e2e.unsloth"]
     args = dict(zip(argv[3::2], argv[4::2]))
     assert args == {
         "--model": "Qwen3-0.6B",
@@ -63,9 +63,9 @@ def test_environment_offline_quiet_and_allocator():
     assert "PYTORCH_ALLOC_CONF" not in base  # the base is not changed
 
 
-def test_importing_the_bench_imports_no_unsloth():
+def test_importing_the_main_job_imports_no_unsloth():
     code = (
-        "import sys, fastft, fastft.bench.e2e, fastft.bench.unsloth, fastft.__main__\n"
+        "import sys, fastft, fastft.e2e.run, fastft.e2e.unsloth, fastft.e2e.command, fastft.__main__\n"
         "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'unsloth', 'unsloth_zoo', 'trl'})\n"
         "assert not loaded, loaded\n"
     )
@@ -83,32 +83,35 @@ def _fake_worker(monkeypatch, code: str):
 
 def test_a_failing_worker_gives_a_nan_record_with_the_fields_of_the_others(monkeypatch, capfd):
     _fake_worker(monkeypatch, "import sys; print('worker says why', file=sys.stderr); sys.exit(3)")
-    batches = e2e.stream_batches("Qwen3-0.6B", "padding-free", True, 3, CPU)
-    record = e2e._run_column("Qwen3-0.6B", "padding-free", "unsloth", CPU, True, batches, 1)
+    batches = stream.stream_batches("Qwen3-0.6B", "padding-free", True, 3, CPU)
+    record = run._run_column("Qwen3-0.6B", "padding-free", "unsloth", CPU, True, batches, 1)
     assert "worker says why" in capfd.readouterr().err  # the worker's stderr is the benchmark's
     assert "status 3" in record["error"] and record["column"] == "unsloth" and record["peak_gib"] is None
     assert len(record["losses"]) == 3 and all(math.isnan(x) for x in record["losses"])
-    result = e2e.Steps([1.0] * 3, [0.1] * 3, [0] * 3, [0] * 3, -1)
-    reference = e2e.record("Qwen3-0.6B", "padding-free", "unsloth", True, batches, 1, result, "bfloat16", True, None)
+    result = train.Steps([1.0] * 3, [0.1] * 3, [0] * 3, [0] * 3, -1)
+    facts = stacks.record_facts("unsloth", "Qwen3-0.6B", True)
+    reference = train.record(
+        "Qwen3-0.6B", "padding-free", "unsloth", batches, 1, result, dtype="bfloat16", lora=True, quant=None, **facts
+    )
     assert set(record) == set(reference) | {"error"}
-    e2e.format_table([record])  # a failed column still makes a row
+    report.format_table([record])  # a failed column still makes a row
 
 
 def test_the_worker_record_is_read_back_and_its_rows_checked(monkeypatch):
-    batches = e2e.stream_batches("Qwen3-0.6B", "padding-free", True, 3, CPU)
+    batches = stream.stream_batches("Qwen3-0.6B", "padding-free", True, 3, CPU)
     written = {"column": "unsloth", "backend": "sdpa", "row_tokens": [b.num_tokens for b in batches]}
     code = f"import json, sys; json.dump({written!r}, open(sys.argv[1], 'w'))"
     _fake_worker(monkeypatch, code)
-    assert worker.run_unsloth_column("Qwen3-0.6B", "padding-free", "unsloth", CPU, True, batches, 1) == written
+    assert worker.run_column("Qwen3-0.6B", "padding-free", "unsloth", CPU, True, batches, 1) == written
     _fake_worker(monkeypatch, code.replace(str(written["row_tokens"]), "[1, 2, 3]"))
     with pytest.raises(RuntimeError, match="other rows"):
-        worker.run_unsloth_column("Qwen3-0.6B", "padding-free", "unsloth", CPU, True, batches, 1)
+        worker.run_column("Qwen3-0.6B", "padding-free", "unsloth", CPU, True, batches, 1)
 
 
 def test_local_model_folder_round_trips_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(e2e.model_config("Qwen3-0.6B", tiny=True))
+    model = transformers.AutoModelForCausalLM.from_config(models.model_config("Qwen3-0.6B", tiny=True))
     worker.save_model(model, str(tmp_path))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
     assert tokenizer.pad_token == "<pad>" and tokenizer.eos_token == "</s>" and len(tokenizer) == 256

@@ -390,8 +390,8 @@ def test_lora_grouped_mm_path_at_real_sizes_in_bf16(shape, rank, rng):
 
 def test_the_check_command_case(device, rng):
     """``python -m fastft check``'s experts case: the low-rank add and routed_experts with LoRA, every gradient."""
-    from fastft import checks
+    from fastft import selfcheck
 
-    assert checks.CHECKS["experts"] is checks.check_experts
+    assert selfcheck.CHECKS["experts"] is selfcheck.check_experts
     for _ in range(5):
-        checks.check_experts(rng, device, 48)
+        selfcheck.check_experts(rng, device, 48)

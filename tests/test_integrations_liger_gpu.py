@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 liger = pytest.importorskip("liger_kernel.transformers")
 
-from fastft.bench.models import MODEL_CONFIGS, sft_lengths  # noqa: E402
+from fastft.e2e.models import MODEL_CONFIGS, sft_lengths  # noqa: E402
 from fastft.integrations import transformers as ft_hf  # noqa: E402
 from fastft.testing import tiny_hf_model  # noqa: E402
 

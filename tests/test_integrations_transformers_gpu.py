@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fastft.bench.models import MODEL_CONFIGS, sft_lengths  # noqa: E402
+from fastft.e2e.models import MODEL_CONFIGS, sft_lengths  # noqa: E402
 from fastft.integrations import transformers as ft_hf  # noqa: E402
 from fastft.integrations.transformers import mixers  # noqa: E402
 

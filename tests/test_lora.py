@@ -4,7 +4,7 @@ tests/test_integrations_peft.py."""
 import pytest
 import torch
 
-from fastft import checks
+from fastft import selfcheck
 from fastft.lora import lora_linear
 
 GPU = torch.cuda.is_available()
@@ -15,14 +15,14 @@ GPU = torch.cuda.is_available()
 def test_matches_reference(case, dtype, rng):
     g = rng
     device = "cuda" if GPU and dtype == torch.bfloat16 else "cpu"
-    args = checks.random_lora_case(g, dtype=dtype, device=device, bias=case % 2 == 0)  # both GEMM orders
+    args = selfcheck.random_lora_case(g, dtype=dtype, device=device, bias=case % 2 == 0)  # both GEMM orders
     grad = torch.randn(args[0].shape[:-1] + (args[1].shape[0],), generator=g).to(device, dtype)
-    checks.check_lora_case(*args, grad)
+    selfcheck.check_lora_case(*args, grad)
 
 
 def test_no_grad_for_frozen_inputs_and_empty_batch():
     g = torch.Generator().manual_seed(7)
-    x, weight, b, lora_a, lora_b, scaling = checks.random_lora_case(g, "cpu", torch.float32)
+    x, weight, b, lora_a, lora_b, scaling = selfcheck.random_lora_case(g, "cpu", torch.float32)
     lora_a.requires_grad_(False)
     y = lora_linear(x, weight, b, lora_a, lora_b, scaling)
     y.sum().backward()
@@ -36,7 +36,7 @@ def test_weight_as_a_function_is_materialised_in_forward_and_backward_only(dtype
     """A quantized base given as a function of no arguments: the same results as the tensor it returns, bit for
     bit, and the function runs once in forward and once in backward (the weight is not kept between them)."""
     device = "cuda" if GPU and dtype == torch.bfloat16 else "cpu"
-    x, weight, b, lora_a, lora_b, scaling = checks.random_lora_case(rng, dtype=dtype, device=device, bias=True)
+    x, weight, b, lora_a, lora_b, scaling = selfcheck.random_lora_case(rng, dtype=dtype, device=device, bias=True)
     grad = torch.randn(x.shape[:-1] + (weight.shape[0],), generator=rng).to(device, dtype)
     calls = []
 

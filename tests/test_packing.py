@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 import fastft
-from fastft import checks, testing
+from fastft import selfcheck, testing
 from fastft.reference import packing as reference
 
 # ---- the specification, spelled out in Python loops ----------------------------------------------------
@@ -93,7 +93,7 @@ def test_triton_matches_torch_from_position_ids(device, position_ids, window, bl
     if position_ids.numel():
         testing.differential(lambda backend: boundaries_op(source["position_ids"].contiguous(), backend))
     testing.differential(
-        lambda backend: checks.packing_outputs(
+        lambda backend: selfcheck.packing_outputs(
             source,
             windows=(window,),
             block_sizes=(block_size,),
@@ -109,7 +109,7 @@ def test_triton_matches_torch_from_lengths(device, lengths_and_tokens, window, a
     values = [sum(lengths[:i]) for i in range(len(lengths) + 1)] if as_cu else lengths
     source = {"cu_seqlens" if as_cu else "seq_lengths": values, "num_tokens": num_tokens, "device": device}
     testing.differential(
-        lambda backend: checks.packing_outputs(source, windows=(window,), block_sizes=(16,), backend=backend)
+        lambda backend: selfcheck.packing_outputs(source, windows=(window,), block_sizes=(16,), backend=backend)
     )
 
 
@@ -117,7 +117,7 @@ def test_triton_matches_torch_from_lengths(device, lengths_and_tokens, window, a
 def test_small_blocks_match_torch(device, position_ids, window, block_size):
     source = {"position_ids": position_ids.to(device)}
     testing.differential(
-        lambda backend: checks.packing_outputs(source, windows=(window,), block_sizes=(block_size,), backend=backend)
+        lambda backend: selfcheck.packing_outputs(source, windows=(window,), block_sizes=(block_size,), backend=backend)
     )
 
 
@@ -133,8 +133,8 @@ def test_block_mask_identical_to_create_block_mask(device, position_ids, window,
     )
     got = info.flex_block_mask(window, block_size)
     testing.assert_same(
-        {f: getattr(got, f) for f in checks.BLOCK_MASK_FIELDS},
-        {f: getattr(expected, f) for f in checks.BLOCK_MASK_FIELDS},
+        {f: getattr(got, f) for f in selfcheck.BLOCK_MASK_FIELDS},
+        {f: getattr(expected, f) for f in selfcheck.BLOCK_MASK_FIELDS},
     )
     assert got.seq_lengths == (t, t) and got.BLOCK_SIZE == (block_size, block_size)
 
@@ -142,7 +142,7 @@ def test_block_mask_identical_to_create_block_mask(device, position_ids, window,
 def test_random_cases_like_cli_check(device, rng):
     g = rng
     for _ in range(5):
-        checks.check_packing(g, device, 96)
+        selfcheck.check_packing(g, device, 96)
 
 
 # ---- the public API --------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fastft
-from fastft import checks, testing
+from fastft import selfcheck, testing
 from fastft.testing import no_host_sync
 from fastft.testing import packed_position_ids as documents
 
@@ -127,16 +127,18 @@ def test_large_batches_match_torch(rng):
     g = rng
     for t in (100_000, 1_000_003):
         pos = testing.random_position_ids(g, None, t, 4000).cuda()
-        testing.differential(lambda backend: checks.packing_outputs({"position_ids": pos}, windows=(), backend=backend))
+        testing.differential(
+            lambda backend: selfcheck.packing_outputs({"position_ids": pos}, windows=(), backend=backend)
+        )
         lengths = testing.random_seq_lengths(g, t, 3000)
         testing.differential(
-            lambda backend: checks.packing_outputs(
+            lambda backend: selfcheck.packing_outputs(
                 {"seq_lengths": lengths, "num_tokens": t, "device": "cuda"}, windows=(), backend=backend
             )
         )
     pos = testing.random_position_ids(g, 2, 16384, 3000).cuda()
     testing.differential(
-        lambda backend: checks.packing_outputs(
+        lambda backend: selfcheck.packing_outputs(
             {"position_ids": pos}, windows=(None, 777), block_sizes=(128,), mask_dtypes=(), backend=backend
         )
     )

@@ -1,4 +1,4 @@
-"""QLoRA: ``--quant nf4`` in the e2e benchmark (``fastft.bench.quant``) and ``apply`` on models with
+"""QLoRA: ``--quant nf4`` in the main job (``fastft.e2e.quant``) and ``apply`` on models with
 bitsandbytes 4-bit layers.
 
 The tests that load 4-bit models need bitsandbytes (CPU 4-bit layers since 0.45; CI does not install it, so
@@ -11,7 +11,8 @@ import torch
 
 import fastft
 import fastft.integrations.transformers as ft_hf
-from fastft.bench import e2e, quant
+from fastft.e2e import quant, report, stacks
+from fastft.e2e import run as e2e_run
 from fastft.testing import tiny_hf_model
 
 pytest.importorskip("transformers")
@@ -35,25 +36,25 @@ def test_bad_quant_values_are_value_errors_naming_quant(bad):
     with pytest.raises(ValueError, match="quant must be None or one of 'none', 'nf4'"):
         quant.quant_arg(bad)
     with pytest.raises(ValueError, match="quant must be"):
-        e2e.run(torch.device("cpu"), True, models=["Qwen3-0.6B"], only_columns=["fastft"], quant=bad)
+        e2e_run.run(torch.device("cpu"), True, models=["Qwen3-0.6B"], only_columns=["fastft"], quant=bad)
     with pytest.raises(ValueError, match="quant must be"):
-        e2e.describe(torch.device("cpu"), True, quant=bad)
+        e2e_run.describe(torch.device("cpu"), True, quant=bad)
     with pytest.raises(ValueError, match="quant must be"):
-        e2e.build("Qwen3-0.6B", "fastft", torch.device("cpu"), True, quant=bad)
+        stacks.build("Qwen3-0.6B", "fastft", torch.device("cpu"), True, quant=bad)
     assert quant.quant_arg(None) is None and quant.quant_arg("none") is None and quant.quant_arg("nf4") == "nf4"
 
 
 def test_describe_says_what_is_quantized():
     cpu = torch.device("cpu")
-    text = e2e.describe(cpu, True, quant="nf4")
+    text = e2e_run.describe(cpu, True, quant="nf4")
     assert "quant nf4 (QLoRA)" in text and "double quantization" in text and "MoE experts stay bf16" in text
-    assert "nf4" not in e2e.describe(cpu, True) and "nf4" not in e2e.describe(cpu, True, quant="none")
+    assert "nf4" not in e2e_run.describe(cpu, True) and "nf4" not in e2e_run.describe(cpu, True, quant="none")
 
 
 @pytest.mark.parametrize(
     "args",
     [
-        ("bench", "--e2e", "--quant", "nf4", "--model", "Qwen3-0.6B"),
+        ("e2e", "--quant", "nf4", "--model", "Qwen3-0.6B"),
         ("audit", "--quant", "nf4"),
     ],
 )
@@ -75,9 +76,9 @@ def test_quant_usage_errors(capsys):
     from fastft.__main__ import main
 
     for args, message in [
-        (("bench", "--e2e", "--quant", "int8"), "invalid choice: 'int8' (choose from 'none', 'nf4')"),
-        (("bench", "--quant", "nf4"), "--quant is taken with --e2e only"),
-        (("bench", "--e2e", "--nproc", "2", "--quant", "nf4"), "--quant is taken with --e2e only (not with --nproc)"),
+        (("e2e", "--quant", "int8"), "invalid choice: 'int8' (choose from 'none', 'nf4')"),
+        (("bench", "--quant", "nf4"), "unrecognized arguments: --quant nf4"),
+        (("e2e", "--nproc", "2", "--quant", "nf4"), "--quant is not taken with --nproc"),
     ]:
         with pytest.raises(SystemExit) as exit:
             main(list(args))
@@ -98,7 +99,7 @@ def test_why_unavailable_names_what_is_missing(monkeypatch):
 
 
 def four_bit(family: str, dtype=torch.float32):
-    """A tiny ``family`` model in bitsandbytes 4-bit NF4 (``fastft.bench.quant.quantized``), on the device."""
+    """A tiny ``family`` model in bitsandbytes 4-bit NF4 (``fastft.e2e.quant.quantized``), on the device."""
     model = quant.quantized(tiny_hf_model(family, dtype, "cuda" if GPU else "cpu"), "nf4")
     layers = bnb_layers(model)
     assert layers and all(type(m).__name__ == "Linear4bit" for n, m in model.named_modules() if n in layers)
@@ -246,7 +247,7 @@ def test_quantized_keeps_the_weights_outside_the_4bit_layers():
 @needs_bnb
 @needs_peft
 def test_e2e_runs_qlora_columns_and_records_quant(device):
-    records = e2e.run(
+    records = e2e_run.run(
         device,
         True,
         models=["Qwen3-0.6B"],
@@ -257,7 +258,7 @@ def test_e2e_runs_qlora_columns_and_records_quant(device):
     )
     assert [r["column"] for r in records] == ["stock sdpa", "fastft"]
     assert all(r["quant"] == "nf4" and r["lora"] for r in records)
-    ok, text = e2e.loss_check(records)
+    ok, text = report.loss_check(records)
     assert ok and "'fastft'" in text, text
 
 

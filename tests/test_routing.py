@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fastft
-from fastft import checks, testing
+from fastft import selfcheck, testing
 from fastft.reference import routing as reference
 
 # ---- the specification, spelled out in Python loops ----------------------------------------------------
@@ -98,7 +98,7 @@ def test_worked_example():
 
 @given(testing.seeds_strategy())
 def test_triton_matches_reference(device, seed):
-    checks.check_routing(torch.Generator().manual_seed(seed), device, 80)
+    selfcheck.check_routing(torch.Generator().manual_seed(seed), device, 80)
 
 
 @pytest.mark.parametrize(
@@ -107,7 +107,7 @@ def test_triton_matches_reference(device, seed):
 )
 def test_edge_shapes(device, tokens, top_k, num_experts, block_size, rng):
     g = rng
-    case = checks.random_routing_case(g, device, 8)
+    case = selfcheck.random_routing_case(g, device, 8)
     ids = testing.random_topk_ids(g, tokens, top_k, num_experts).to(device)
     x = torch.randn(tokens, 24, generator=g).to(device)
     case.update(
@@ -117,7 +117,7 @@ def test_edge_shapes(device, tokens, top_k, num_experts, block_size, rng):
         weights=torch.rand(tokens, top_k, generator=g).to(device),
         table=torch.randn(num_experts, 3, generator=g).to(device),
     )
-    checks.check_routing_case(case)
+    selfcheck.check_routing_case(case)
 
 
 def test_all_pairs_unrouted(device):

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import fastft
-from fastft import checks, testing
-from fastft.bench.models import MOE_SHAPES as SHAPES
+from fastft import selfcheck, testing
+from fastft.e2e.models import MOE_SHAPES as SHAPES
 from fastft.reference import routing as reference
 from fastft.testing import no_host_sync, router_ids
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 def test_model_shapes_match_reference(name, block_size, rng):
     experts, top_k, hidden = SHAPES[name]
     g = rng
-    case = checks.random_routing_case(g, "cuda", 8)
+    case = selfcheck.random_routing_case(g, "cuda", 8)
     ids = router_ids(16384, experts, top_k, "cuda", seed=int(torch.randint(0, 2**31, (1,), generator=g)))
     ids[(torch.rand(ids.shape, generator=g) < 0.01).cuda()] = -1  # a few dropped pairs
     case.update(
@@ -27,13 +27,13 @@ def test_model_shapes_match_reference(name, block_size, rng):
         weights=torch.rand(16384, top_k, generator=g).cuda(),
         table=torch.randn(experts, 64, generator=g).to("cuda", torch.bfloat16),
     )
-    checks.check_routing_case(case)
+    selfcheck.check_routing_case(case)
 
 
 def test_random_cases_at_gpu_sizes(rng):
     g = rng
     for _ in range(30):
-        checks.check_routing(g, "cuda", 20000)
+        selfcheck.check_routing(g, "cuda", 20000)
 
 
 def test_expert_parallel_map(rng):
@@ -41,7 +41,7 @@ def test_expert_parallel_map(rng):
     ids = router_ids(8192, 256, 8, "cuda", seed=3)
     emap = torch.full((256,), -1, dtype=torch.int32)
     emap[64:96] = torch.arange(32, dtype=torch.int32)  # this rank owns global experts 64..95
-    case = checks.random_routing_case(g, "cuda", 8)
+    case = selfcheck.random_routing_case(g, "cuda", 8)
     case.update(
         topk_ids=ids,
         options={"num_experts": 256, "block_size": 64, "expert_map": emap.cuda(), "num_local_experts": 32},
@@ -49,7 +49,7 @@ def test_expert_parallel_map(rng):
         weights=torch.rand(8192, 8, generator=g).cuda(),
         table=torch.randn(32, 16, generator=g).cuda(),
     )
-    checks.check_routing_case(case)
+    selfcheck.check_routing_case(case)
 
 
 def _moe_step(ids, x, w, experts, block_size):
@@ -90,7 +90,7 @@ def test_large_histogram_takes_larger_blocks_and_matches(experts):
     ids = router_ids(65536, experts, 8, "cuda", seed=5)
     got = fastft.moe_route(ids, experts, block_size=128)
     expected = fastft.moe_route(ids, experts, block_size=128, backend="torch")
-    testing.assert_same(checks.routing_fields(got), checks.routing_fields(expected))
+    testing.assert_same(selfcheck.routing_fields(got), selfcheck.routing_fields(expected))
 
 
 def test_cuda_graph_capture_and_replay():
@@ -109,7 +109,7 @@ def test_cuda_graph_capture_and_replay():
         ids.copy_(router_ids(4096, 32, 4, "cuda", seed=seed))
         graph.replay()
         expected = fastft.moe_route(ids, 32, block_size=16, backend="torch")
-        testing.assert_same(checks.routing_fields(r), checks.routing_fields(expected))
+        testing.assert_same(selfcheck.routing_fields(r), selfcheck.routing_fields(expected))
         testing.assert_same(y, reference.gather_sum(reference.permute(x, expected.sorted_pair, 4), expected.inverse, w))
 
 
@@ -168,5 +168,5 @@ def test_unaligned_views_after_aligned_calls():
     xbuf[1:].copy_(x.flatten())
     x_shifted = xbuf[1:].view(3000, 200)
     got = fastft.moe_route(shifted, 64, block_size=8)
-    testing.assert_same(checks.routing_fields(got), checks.routing_fields(r))
+    testing.assert_same(selfcheck.routing_fields(got), selfcheck.routing_fields(r))
     testing.assert_same(fastft.moe_permute(x_shifted, got), reference.permute(x, r.sorted_pair, 6))

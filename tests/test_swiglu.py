@@ -185,8 +185,8 @@ def test_gpu_bf16_at_moe_widths_without_sync(rng, rows, width, kw):
 
 def test_the_check_command_case(device, rng):
     """``python -m fastft check``'s swiglu case: the dispatched backend against the reference, and its gradient."""
-    from fastft import checks
+    from fastft import selfcheck
 
-    assert checks.CHECKS["swiglu"] is checks.check_swiglu
+    assert selfcheck.CHECKS["swiglu"] is selfcheck.check_swiglu
     for _ in range(5):
-        checks.check_swiglu(rng, device, 24)
+        selfcheck.check_swiglu(rng, device, 24)

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 import fastft
 from fastft import attention
+from fastft.e2e.models import MODEL_CONFIGS
 
 from .common import Row, peak_gib, time_ms
-from .models import MODEL_CONFIGS
 
 
 def _heads(name: str) -> tuple[int, int, int]:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastft.e2e.models import MODEL_CONFIGS
+
 from .common import Row, time_ms
-from .models import MODEL_CONFIGS
 
 
 def _projection(name: str, proj: str) -> tuple[int, int]:

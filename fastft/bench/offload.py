@@ -17,9 +17,9 @@ from torch.utils.checkpoint import checkpoint
 
 import fastft
 from fastft import offload
+from fastft.e2e.models import MODEL_CONFIGS
 
 from .common import Row, time_ms
-from .models import MODEL_CONFIGS
 
 _QWEN = MODEL_CONFIGS["Qwen3-0.6B"][1]
 # name -> (hidden, heads, kv heads, head dim, intermediate); Llama-3.1-8B is not in the model table (no e2e run)

@@ -6,8 +6,8 @@ import torch
 
 import fastft
 from fastft import dispatch, packing
-from fastft.checks import BLOCK_MASK_FIELDS
 from fastft.reference import packing as reference
+from fastft.selfcheck import BLOCK_MASK_FIELDS
 from fastft.testing import assert_same
 from fastft.testing import packed_position_ids as documents
 

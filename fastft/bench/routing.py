@@ -6,9 +6,9 @@ import torch
 
 import fastft
 from fastft import dispatch, routing
-from fastft.bench.models import MOE_SHAPES as SHAPES
-from fastft.checks import routing_fields
+from fastft.e2e.models import MOE_SHAPES as SHAPES
 from fastft.reference import routing as reference
+from fastft.selfcheck import routing_fields
 from fastft.testing import assert_same, router_ids
 
 from .common import Row, copy_gbs, graph_ms, host_us, time_ms

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ...buckets import PAD_DOCUMENT, token_padding
 from ...graphs import layer_graphs
+from ...graphs.buckets import PAD_DOCUMENT, token_padding
 
 PADDING = "fastft_token_padding"  # in the decoder stack's __dict__ during a padded forward: (padding, hook)
 FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # per-batch values

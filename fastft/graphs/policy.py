@@ -7,8 +7,8 @@
   least ``LAUNCH_BOUND`` of the GPU's time on their second calls (the first compiles; both run eagerly). The
   layers of one kind (class and parameter shapes) timed together decide together, on their summed times: a
   stack of like layers is graphed whole or not at all, since one eager layer beside the graphed ones holds its
-  working set in the allocator's cache beside the graph pool's copy of it (Llama-3.2-1B, H100: 1.42x eager's
-  peak memory where one layer of 16 decided alone).
+  working set in the allocator's cache beside the graph pool's copy of it, raising the peak memory
+  (docs/benchmarks.md has the measurement).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import weakref
 
 import torch
 
-from . import graph_memory
-from .kernels._launch import next_power_of_2
-from .packing import PackedSeqInfo
+from ..kernels._launch import next_power_of_2
+from ..packing import PackedSeqInfo
+from . import memory
 
 LAUNCH_BOUND = 0.7  # policy="auto": graphs where a layer's eager forward takes the host >= this much of the GPU's
 POLICIES = ("always", "auto")
@@ -32,7 +32,7 @@ class LayerGraphs:
     """A graphed layer's graphs by signature, its bounds on packed batches, and what it decided."""
 
     def __init__(self) -> None:
-        self.graphs: dict = {}  # signature -> fastft.graph_capture.Graphs
+        self.graphs: dict = {}  # signature -> fastft.graphs.capture.Graphs
         self.warned: set = set()  # reasons already warned about
         self.off: str | None = None  # why this layer runs eagerly from now on
         self.bounds = (1, 1)  # (sequence count, longest sequence) bounds so far, see bounds()
@@ -41,7 +41,7 @@ class LayerGraphs:
         self.probe = None  # policy="auto": None, "timed" (after the first eager call), a Probe, or "decided"
         self.eager = False  # policy="auto": the layer is GPU-bound, it runs eagerly
         self.kind = None  # policy="auto": its kind (``kind``), once timed
-        graph_memory.watch(self)
+        memory.watch(self)
 
     def may_replay(self) -> bool:
         """Whether a later call may still replay graphs (it was not sent to the eager path for good)."""

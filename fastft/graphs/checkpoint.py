@@ -4,20 +4,20 @@
     # fastft.offloaded_checkpoint(layer, x, **kwargs) in values and gradients, in a few launches per layer
 
 ``layer`` is an ``nn.Module``, or a bound method or ``functools.partial`` of one (what transformers hands
-its checkpoint function). The first call with a new *signature* (``fastft.graph_policy``: the tensors'
+its checkpoint function). The first call with a new *signature* (``fastft.graphs.policy``: the tensors'
 shapes, dtypes, devices and ``requires_grad``; the other arguments' values; a ``PackedSeqInfo`` padded to
 bounds that only grow; the layer's mode, trainable parameters and autocast) warms the layer up and captures
-its two graphs (``fastft.graph_capture``) into the device's one graph pool (``fastft.graph_memory``). Each
+its two graphs (``fastft.graphs.capture``) into the device's one graph pool (``fastft.graphs.memory``). Each
 call copies its tensors into static buffers shared by every signature and layer (an argument that is the
 unchanged tensor last copied, such as the rotary tables every layer gets, is not copied again), replays,
 and copies the outputs out. The first tensor argument is offloaded as ``offloaded_checkpoint`` does
 (``offload_config``). Parameter gradients go through autograd, so DDP's and other hooks on parameters run.
 
-Few signatures: pad the token count to a few values (``fastft.buckets``, which ``apply(model, graphs=True)``
+Few signatures: pad the token count to a few values (``fastft.graphs.buckets``, which ``apply(model, graphs=True)``
 does). Past ``MAX_SIGNATURES`` signatures of a layer its least-used graphs are dropped; ``capture_count()``
 counts the captures (one per layer and signature, and again after the pool is renewed). ``policy="auto"``
 captures layers only where their eager forwards are launch-bound, like layers deciding together
-(``fastft.graph_policy``), and runs a layer whose signatures keep changing (more than a quarter of its calls
+(``fastft.graphs.policy``), and runs a layer whose signatures keep changing (more than a quarter of its calls
 capture, past ``MAX_SIGNATURES`` captures) eagerly from then on.
 
 A layer that draws random numbers (dropout) is refused with ``ValueError``: the replayed recompute would
@@ -40,13 +40,11 @@ import warnings
 import torch
 from torch.utils import _pytree as pytree
 
-from . import graph_memory, graph_policy
-from .graph_capture import TENSOR, CaptureError, Replay, capture, tensors
-from .graph_capture import CudaGraph as CudaGraph
-from .graph_policy import POLICIES as POLICIES
-from .graph_policy import LayerGraphs
-from .offload import OffloadConfig, check_offload_config, offloaded_checkpoint
-from .packing import PackedSeqInfo
+from ..offload import OffloadConfig, check_offload_config, offloaded_checkpoint
+from ..packing import PackedSeqInfo
+from . import memory
+from .capture import TENSOR, CaptureError, Replay, capture, tensors
+from .policy import POLICIES, LayerGraphs, describe, identity, launch_bound, timed_eager
 
 __all__ = ["graphed_checkpoint", "capture_count"]
 
@@ -167,22 +165,20 @@ def graphed_checkpoint(
         why = "it (or a submodule) has forward or backward hooks, which a replay would not run"
     if why is None:
         try:
-            descs = tuple(graph_policy.describe(t, state) for t in leaves)
+            descs = tuple(describe(t, state) for t in leaves)
         except TypeError:
             kinds = {type(t).__name__ for t in leaves if not isinstance(t, (torch.Tensor, PackedSeqInfo))}
             why = f"an argument is neither a tensor, a PackedSeqInfo nor hashable ({', '.join(sorted(kinds))})"
     if why is not None:
         _warn(state, module, why)
         return eager()
-    if policy == "auto" and not graph_policy.launch_bound(state):
-        return graph_policy.timed_eager(state, module, device, eager)
+    if policy == "auto" and not launch_bound(state):
+        return timed_eager(state, module, device, eager)
     state.calls += 1
     autocast = torch.is_autocast_enabled(device.type)
     key = (spec, descs, module.training, autocast, torch.get_autocast_dtype(device.type) if autocast else None)
     graphs = state.graphs.get(key)
-    if graphs is not None and (
-        graphs.identity != graph_policy.identity(module) or graphs.statics.epoch != graph_memory.epoch(device)
-    ):
+    if graphs is not None and (graphs.identity != identity(module) or graphs.statics.epoch != memory.epoch(device)):
         del state.graphs[key]  # parameters replaced or requires_grad changed, or the pool renewed: capture again
         graphs = None
     if graphs is None:
@@ -192,9 +188,9 @@ def graphed_checkpoint(
             return eager()
         while len(state.graphs) >= MAX_SIGNATURES:  # drop the least-used graphs
             del state.graphs[min(state.graphs, key=lambda k: state.graphs[k].uses)]
-        graph_memory.make_room(device, tensors(leaves))
+        memory.make_room(device, tensors(leaves))
         trainable = tuple((tuple(p.shape), p.dtype) for p in module.parameters() if p.requires_grad)
-        statics = graph_memory.statics_for((key, type(module), trainable), leaves, descs, device)
+        statics = memory.statics_for((key, type(module), trainable), leaves, descs, device)
         try:
             graphs = capture(module, target, spec, leaves, statics, device)
         except CaptureError as e:

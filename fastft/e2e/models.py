@@ -1,8 +1,12 @@
-"""The models fastft is measured on: one table of transformers configs (the e2e benchmark, the op
-benchmarks' shapes and the real-size GPU tests read it) and the SFT document lengths of their batches."""
+"""The models of the main job: one table of transformers configs, and every fact about a model that the rest of
+``fastft.e2e`` asks (MoE or dense, attention sinks, token mixers outside attention, the tiny configs a CPU
+runs, the tokens per row). The op benchmarks (``fastft.bench``) take their shapes from the table and the
+real-size GPU tests build its models; ``sft_lengths`` gives the SFT document lengths of their batches.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -51,8 +55,8 @@ MODEL_CONFIGS = {
         ),
         8,
     ),
-    # the seeds' QLoRA model (Unsloth and NVIDIA, May 2026), 20 of its 40 layers: --quant nf4 and the unsloth
-    # column each save a bf16 copy (16.7 GB at 20 layers; the GPU machines' 64 GiB disk holds two of 30 GB poorly)
+    # the QLoRA model of the seeds' comparison, 20 of its 40 layers: --quant nf4 and the unsloth column each save
+    # a bf16 copy to disk, and two copies of all 40 layers (about 30 GB each) leave a 64 GiB disk little room
     "Qwen3-14B": (
         "Qwen3Config",
         dict(
@@ -155,10 +159,102 @@ def sft_lengths(total: int, seed: int = 0, median: int = 380, max_len: int = 409
     return [n for n in lengths if n > 0]
 
 
-def num_experts(name: str) -> int:
-    """Routed experts per MoE layer of the model ``name`` in ``MODEL_CONFIGS``; 0 for a dense model."""
+TOKENS = {"gpt-oss-20b": 4096}  # tokens per packed row on a GPU; 16,384 for the others
+TINY_TOKENS = 256  # tokens per packed row in the tiny configs
+# the tiny configs (CPU, --quick): these fields replace the model's own where it has them, 2 layers
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    sliding_window=16,
+    shared_expert_intermediate_size=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+
+
+def num_experts(name: str, tiny: bool = False) -> int:
+    """Routed experts per MoE layer of the model ``name`` (``tiny``: in its tiny config); 0 for a dense model."""
     fields = MODEL_CONFIGS[name][1]
-    return fields.get("num_experts", fields.get("num_local_experts", 0))
+    key = next((k for k in ("num_experts", "num_local_experts") if k in fields), None)
+    if key is None:
+        return 0
+    return TINY[key] if tiny else fields[key]
+
+
+def is_moe(name: str) -> bool:
+    """Whether the model ``name`` routes its MLP tokens to experts."""
+    return num_experts(name) > 0
+
+
+def has_sinks(name: str) -> bool:
+    """gpt-oss: attention sinks, which only transformers' ``eager`` attention takes."""
+    return MODEL_CONFIGS[name][0] == "GptOssConfig"
+
+
+def budget(name: str, tiny: bool) -> int:
+    """Tokens per packed row (and per padded micro-batch) of the model ``name``: 16,384 (gpt-oss 4,096; tiny
+    configs 256)."""
+    return TINY_TOKENS if tiny else TOKENS.get(name, 16384)
+
+
+def model_config(name: str, tiny: bool):
+    """The transformers config of the model ``name`` (``tiny``: 2 layers, small widths; a model of several layer
+    kinds keeps one layer of each, in the order its pattern has them: Qwen3.5's Gated DeltaNet, then full
+    attention)."""
+    import transformers
+
+    config_cls, fields, layers = MODEL_CONFIGS[name]
+    config_cls = getattr(transformers, config_cls)
+    fields = dict(fields, num_hidden_layers=layers)
+    if tiny:
+        kinds = list(dict.fromkeys(getattr(config_cls(**fields), "layer_types", None) or ()))
+        fields.update({k: v for k, v in TINY.items() if k in fields}, num_hidden_layers=2)
+        if len(kinds) > 1:
+            fields.update(num_hidden_layers=len(kinds), layer_types=kinds)
+    return config_cls(**fields, use_cache=False)
+
+
+def dtype_for(device) -> torch.dtype:
+    """The models' dtype on ``device``: bf16 on a GPU, fp32 on a CPU."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def mixer_modules(model) -> list[torch.nn.Module]:
+    """The token mixers of ``model`` besides attention that fastft makes packing-correct (Gated DeltaNet,
+    LFM2's short convolutions: ``mixers.SUPPORTED``)."""
+    from fastft.integrations.transformers import mixers
+
+    return [m for m in model.modules() if type(m).__name__ in mixers.SUPPORTED]
+
+
+def mixes_outside_attention(model) -> bool:
+    """Whether layers of ``model`` (a transformers model, or a PEFT wrapper's) mix tokens along the sequence
+    outside attention: mixers fastft supports, or any ``packing_blockers`` finds."""
+    from fastft.integrations.transformers import packing_blockers
+
+    return bool(mixer_modules(model)) or bool(packing_blockers(model))
+
+
+@functools.cache
+def has_mixers(name: str) -> bool:
+    """``mixes_outside_attention`` of the model ``name`` (its tiny config, built on the meta device); False
+    without transformers (nothing runs then)."""
+    try:
+        import transformers
+    except ImportError:
+        return False
+    with torch.device("meta"):
+        return mixes_outside_attention(transformers.AutoModelForCausalLM.from_config(model_config(name, True)))
 
 
 # MoE routing shapes: name -> (experts, top-k, hidden size); the table's MoE models and two larger routers

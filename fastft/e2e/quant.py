@@ -1,5 +1,5 @@
-"""QLoRA in the end-to-end benchmark (``--quant nf4``): every column's model is the same random-weight model
-as without it (``fastft.bench.columns.build``: ``torch.manual_seed(0)`` + ``from_config``), loaded the way
+"""QLoRA in the main job (``--quant nf4``): every column's model is the same random-weight model
+as without it (``fastft.e2e.stacks.build``: ``torch.manual_seed(0)`` + ``from_config``), loaded the way
 users get a 4-bit model: saved once to a temporary folder (safetensors, the model's dtype) and loaded back
 with transformers' ``BitsAndBytesConfig``.
 
@@ -17,7 +17,7 @@ with transformers' ``BitsAndBytesConfig``.
   memory. The LoRA adapters are PEFT's default, as in the bf16 columns, so that ``--quant nf4`` changes
   the base weights only.
 
-Only for the GPU in the bench (``why_unavailable``): bitsandbytes' 4-bit layers run on CPUs too (the CPU
+Only for the GPU in the main job (``why_unavailable``): bitsandbytes' 4-bit layers run on CPUs too (the CPU
 tests use them), but at tiny sizes that measures nothing. bitsandbytes is imported by transformers only
 when a 4-bit model is loaded: never by ``import fastft``.
 """
@@ -46,12 +46,12 @@ def quant_arg(quant: str | None) -> str | None:
 
 
 def why_unavailable(quant: str | None, device: torch.device) -> str | None:
-    """Why the bench cannot train 4-bit models on ``device`` here (no GPU, bitsandbytes, accelerate or peft), or
+    """Why the main job cannot train 4-bit models on ``device`` here (no GPU, bitsandbytes, accelerate or peft), or
     None (also for no ``quant``)."""
     if quant_arg(quant) is None:
         return None
     if device.type != "cuda":
-        return "needs a GPU (the bench runs bitsandbytes' 4-bit layers on CUDA only)"
+        return "needs a GPU (the main job runs bitsandbytes' 4-bit layers on CUDA only)"
     missing = [p for p in ("bitsandbytes", "accelerate", "peft") if importlib.util.find_spec(p) is None]
     if missing:
         return (

@@ -1,7 +1,7 @@
 """Few shapes from a stream of packed batches: each batch's token count rounded up a short ladder, the
 padding tokens made documents of their own, so that CUDA graphs (``fastft.graphs``) see few signatures.
 
-    pad = fastft.buckets.token_padding(15_000)   # TokenPadding(tokens=15000, padded=15360)
+    pad = fastft.graphs.buckets.token_padding(15_000)   # TokenPadding(tokens=15000, padded=15360)
     ids = pad.pad(input_ids)                      # [B, 15360]: the padding tokens are id 0
     pos = pad.pad_positions(position_ids)         # the padding tokens: documents of at most 128 tokens
     ...                                           # the layers: no real token attends to a padding one
@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from ._checks import int_arg
+from .._checks import int_arg
 
 PER_OCTAVE = 8  # ladder values per power of two
 PAD_DOCUMENT = 128  # the longest padding document

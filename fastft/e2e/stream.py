@@ -3,7 +3,7 @@
     for batch in packed_stream("padding-free", budget=16384, seed=0):
         loss = model(**batch.inputs()).loss
 
-Each step draws new documents (SFT-like lengths, ``fastft.bench.models.sft_lengths``) and new token ids,
+Each step draws new documents (SFT-like lengths, ``fastft.e2e.models.sft_lengths``) and new token ids,
 and packs them into one row the two ways users pack:
 
 - ``fixed``: the row holds exactly ``budget`` tokens, the last document cut to fit (packing with
@@ -18,6 +18,9 @@ model shifts labels by one, so no document is trained to predict the next one's 
 ``padded(batch, budget)`` gives the same documents as a padding collator does, for models whose packed rows
 stock transformers gets wrong: one document per row, right-padded to the longest of its micro-batch, in
 micro-batches of at most ``budget`` tokens padding included (gradient accumulation over them is one step).
+
+The main job's streams (``model_stream``): each model's rows of ``fastft.e2e.models.budget`` tokens at most;
+``step_inputs`` gives what a step feeds the model, packed or padded.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from .models import sft_lengths
+from .models import budget, sft_lengths
 
 KINDS = ("fixed", "padding-free")
+STREAM_CHOICES = (*KINDS, "both")  # --stream
+DEFAULT_STREAMS = ("padding-free",)
 IGNORE = -100  # the label cross entropy skips
 
 
@@ -169,3 +174,47 @@ def _batches(kind, budget, seed, median, max_len, vocab, device):
         documents = sft_lengths(budget + max_len, seed=step_seed, median=median, max_len=max_len)
         batch = packed_batch(pack(kind, documents, budget), vocab, torch.Generator().manual_seed(step_seed + 1))
         yield batch if device is None else batch.to(device)
+
+
+def streams_of(choice: str | None) -> tuple[str, ...]:
+    """The stream kinds a ``--stream`` choice runs (None: the default, ``padding-free``)."""
+    if choice is None:
+        return DEFAULT_STREAMS
+    if choice not in STREAM_CHOICES:
+        raise ValueError(f"stream must be one of {', '.join(map(repr, STREAM_CHOICES))}, got {choice!r}")
+    return KINDS if choice == "both" else (choice,)
+
+
+def model_stream(name: str, kind: str, tiny: bool, device=None, seed: int = 0):
+    """The endless stream of ``kind`` of the model ``name`` (``packed_stream``): rows of ``budget(name, tiny)``
+    tokens at most, documents around 380 tokens (tiny: 40)."""
+    vocab = 256 if tiny else 128000
+    return packed_stream(kind, budget(name, tiny), seed, median=40 if tiny else 380, vocab=vocab, device=device)
+
+
+def stream_batches(name: str, kind: str, tiny: bool, count: int, device=None, seed: int = 0) -> list[PackedBatch]:
+    """The first ``count`` batches of ``model_stream``."""
+    return list(itertools.islice(model_stream(name, kind, tiny, device, seed), count))
+
+
+def make_batch(name: str, device, tiny: bool, seed: int = 0) -> tuple[dict, list[int]]:
+    """The model's first fixed-length batch of stream ``seed`` as model inputs, and its document lengths."""
+    (batch,) = stream_batches(name, "fixed", tiny, 1, device, seed)
+    return batch.inputs(), list(batch.seq_lengths)
+
+
+def step_inputs(batch: PackedBatch, padded_budget: int | None = None, host_lengths: bool = False):
+    """What one step on ``batch`` feeds the model: the packed row's model inputs (a dict; ``host_lengths``: with
+    the boundaries on the host, ``PackedBatch.inputs``), or with ``padded_budget`` its documents ``padded`` to
+    micro-batches of that many tokens, as ``[(model inputs, loss weight), ...]``, each weight its share of the
+    step's predicted tokens (host ints: no sync), so that the weighted losses sum to the packed loss."""
+    if padded_budget is None:
+        return batch.inputs(host_lengths)
+    parts = padded(batch, padded_budget)
+    total = sum(p.targets for p in parts)
+    return [(p.inputs(), p.targets / total) for p in parts]
+
+
+def micro_batches(step) -> list:
+    """``[(model inputs, loss weight or None), ...]`` of a step as ``step_inputs`` gives it."""
+    return [(step, None)] if isinstance(step, dict) else list(step)

@@ -1,6 +1,7 @@
-"""fastft's own per-op checks: one random case of each op, run on the Triton and the torch backends (or
-against its reference) and compared; ``python -m fastft check`` and the tests run them. Users fuzzing their
-own kernels want ``fastft.testing``."""
+"""fastft's self-check: one random case of each op, run on the Triton and the torch backends (or against its
+reference) and compared (``CHECKS``: op family -> check); ``python -m fastft check`` and the tests run them.
+Users fuzzing their own kernels want ``fastft.testing``; the public entries' argument checks are
+``fastft._checks``."""
 
 from __future__ import annotations
 

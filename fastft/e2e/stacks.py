@@ -1,5 +1,5 @@
-"""The stacks the end-to-end benchmark compares (``python -m fastft bench --e2e``, ``fastft.bench.e2e``):
-one ``Column`` each, built on a transformers model with random weights from ``fastft.bench.models``.
+"""The stacks the main job compares (``python -m fastft e2e``, ``fastft.e2e.run``): one ``Column`` each,
+built on a transformers model with random weights from ``fastft.e2e.models``.
 
 - ``naive glue``: what the "25% faster" claim was measured against: packed attention that rebuilds the
   document boundaries in every layer with host syncs, single-buffered offloaded checkpointing, and
@@ -9,7 +9,7 @@ one ``Column`` each, built on a transformers model with random weights from ``fa
   implementation (``grouped_mm``);
 - ``stock sdpa, padded``: the same documents one per row, right-padded (``attention_mask``, labels -100 on
   padding), in micro-batches of at most the row's token budget, padding included, accumulated into one step
-  (``fastft.bench.stream.padded``: what a user does when packing is wrong for the model; no sorting by
+  (``fastft.e2e.stream.padded``: what a user does when packing is wrong for the model; no sorting by
   length); correct on every model, and the only correct stock column on models whose layers mix tokens
   outside attention (Gated DeltaNet). Its tokens/s counts the documents' tokens, not the padding;
 - ``stock sdpa, fla`` and ``stock sdpa, padded, fla`` (models with Gated DeltaNet layers; needs
@@ -33,15 +33,15 @@ one ``Column`` each, built on a transformers model with random weights from ``fa
   checkpointed layer replayed as CUDA graphs (GPU only; a new batch signature is captured when it comes);
   ``fastft + liger, graphs auto``: ``graphs="auto"``, graphs only for layers whose eager forward is
   launch-bound; ``fastft + liger, graphs, experts lora`` (MoE models): LoRA on the experts' weights too.
-- ``unsloth`` (GPU and unsloth only): Unsloth's own stack (``fastft.bench.unsloth``, in a process of its own:
+- ``unsloth`` (GPU and unsloth only): Unsloth's own stack (``fastft.e2e.unsloth``, in a process of its own:
   Unsloth patches transformers, peft and trl when imported): the same weights saved and loaded through
   ``FastLanguageModel`` (MoE models: ``FastModel``), LoRA r=16 on the same projections through its
   ``get_peft_model``, its gradient checkpointing, the same packed rows with their boundaries as
   ``packed_seq_lengths``; a peer.
 
 Every column but naive glue's trains LoRA r=16 through PEFT (all weights without peft), with gradient
-checkpointing. Peers (``Column.peer``) are the columns users run without fastft: ``stock *`` and
-``liger + stock flex``.
+checkpointing. Peers (``Column.peer``) are the columns users run without fastft: ``stock *``,
+``liger + stock flex`` and ``unsloth``.
 
 A packed column leaks (``leaks``: documents of a row see each other) where stock transformers does not keep
 them apart: on models whose layers mix tokens outside attention (every stock and naive packed column:
@@ -62,70 +62,17 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import quant as quantization
 from .models import MODEL_CONFIGS as MODELS
-from .models import num_experts
+from .models import budget, dtype_for, has_mixers, has_sinks, is_moe, mixer_modules, model_config
+from .stream import step_inputs
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=64,
-    moe_intermediate_size=32,
-    num_experts=8,
-    num_local_experts=8,
-    num_experts_per_tok=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=256,
-    sliding_window=16,
-    shared_expert_intermediate_size=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-)
 LIGER_FAMILIES = {
     "LlamaConfig": "llama",
     "Qwen3Config": "qwen3",
     "Qwen3MoeConfig": "qwen3_moe",
     "GptOssConfig": "gpt_oss",
 }
-
-
-def is_moe(name: str) -> bool:
-    """Whether the e2e model ``name`` routes its MLP tokens to experts."""
-    return num_experts(name) > 0
-
-
-def has_sinks(name: str) -> bool:
-    """gpt-oss: attention sinks, which only transformers' ``eager`` attention takes."""
-    return MODELS[name][0] == "GptOssConfig"
-
-
-def _mixer_modules(model) -> list[torch.nn.Module]:
-    """The token mixers of ``model`` besides attention that fastft makes packing-correct (Gated DeltaNet,
-    LFM2's short convolutions: ``mixers.SUPPORTED``)."""
-    from fastft.integrations.transformers import mixers
-
-    return [m for m in model.modules() if type(m).__name__ in mixers.SUPPORTED]
-
-
-def mixes_outside_attention(model) -> bool:
-    """Whether layers of ``model`` (a transformers model, or a PEFT wrapper's) mix tokens along the sequence
-    outside attention: mixers fastft supports, or any ``packing_blockers`` finds."""
-    from fastft.integrations.transformers import packing_blockers
-
-    return bool(_mixer_modules(model)) or bool(packing_blockers(model))
-
-
-@functools.cache
-def has_mixers(name: str) -> bool:
-    """``mixes_outside_attention`` of the e2e model ``name`` (its tiny config, built on the meta device)."""
-    try:
-        import transformers
-    except ImportError:  # nothing runs: the benchmark says so
-        return False
-    with torch.device("meta"):
-        return mixes_outside_attention(transformers.AutoModelForCausalLM.from_config(model_config(name, True)))
 
 
 def _naive_attention(
@@ -191,7 +138,7 @@ def lora_targets(model, name: str) -> list[str]:
     out_proj)."""
     moe = is_moe(name)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"] + ([] if moe else ["gate_proj", "up_proj", "down_proj"])
-    mixer_linears = (n for m in _mixer_modules(model) for n, c in m.named_children() if isinstance(c, torch.nn.Linear))
+    mixer_linears = (n for m in mixer_modules(model) for n, c in m.named_children() if isinstance(c, torch.nn.Linear))
     return targets + list(dict.fromkeys(mixer_linears))
 
 
@@ -248,7 +195,7 @@ def _torch_mixers(model):
     from fastft.integrations.transformers import mixers
 
     saved = {}
-    for module in _mixer_modules(model):
+    for module in mixer_modules(model):
         namespace = sys.modules[type(module).__module__]
         for fn in mixers.SUPPORTED[type(module).__name__]:
             saved.setdefault((namespace, fn), getattr(namespace, fn))
@@ -287,12 +234,6 @@ def _in_own_process(model, name: str):
     raise RuntimeError("this column runs in a process of its own (Column.own_process), never in this one")
 
 
-def _unsloth(*args, **kwargs) -> dict:
-    from .unsloth import run_unsloth_column  # imports nothing of unsloth here: its worker process does
-
-    return run_unsloth_column(*args, **kwargs)
-
-
 @dataclasses.dataclass(frozen=True)
 class Column:
     """One stack under test (see the module docstring)."""
@@ -305,10 +246,9 @@ class Column:
     fastft: bool = False  # fastft's stack: the loss check fails on it, and it is compared with the peers
     moe_only: bool = False  # runs on MoE models only
     mixers_only: bool = False  # runs on models whose layers mix tokens outside attention only
-    padded: bool = False  # trains on the stream's documents padded (``fastft.bench.stream.padded``), not packed
-    # runs in a process of its own instead of ``setup`` (never called): (model name, stream kind, column, device,
-    # tiny, the stream's batches, warmup, quant=None) -> the record ``e2e.record`` gives
-    own_process: Callable | None = None
+    padded: bool = False  # trains on the stream's documents padded (``fastft.e2e.stream.padded``), not packed
+    # runs in a process of its own (``fastft.e2e.unsloth``), never through ``setup``
+    own_process: bool = False
 
 
 COLUMNS = {
@@ -375,40 +315,19 @@ COLUMNS = {
             fastft=True,
             moe_only=True,
         ),
-        Column("unsloth", _in_own_process, gpu_only=True, needs=("unsloth",), peer=True, own_process=_unsloth),
+        Column("unsloth", _in_own_process, gpu_only=True, needs=("unsloth",), peer=True, own_process=True),
     )
 }
 
 
-def model_config(name: str, tiny: bool):
-    """The transformers config of an e2e model (``tiny``: 2 layers, small widths; a model of several layer
-    kinds keeps one layer of each, in the order its pattern has them: Qwen3.5's Gated DeltaNet, then full
-    attention)."""
-    import transformers
-
-    config_cls, fields, layers = MODELS[name]
-    config_cls = getattr(transformers, config_cls)
-    fields = dict(fields, num_hidden_layers=layers)
-    if tiny:
-        kinds = list(dict.fromkeys(getattr(config_cls(**fields), "layer_types", None) or ()))
-        fields.update({k: v for k, v in TINY.items() if k in fields}, num_hidden_layers=2)
-        if len(kinds) > 1:
-            fields.update(num_hidden_layers=len(kinds), layer_types=kinds)
-    return config_cls(**fields, use_cache=False)
-
-
-def dtype_for(device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
 def build(name: str, column: str, device, tiny: bool, model=None, quant=None):
-    """((model, whether LoRA is on), a function to call after the column ran: it undoes Liger's module patches).
-    ``model``: one already built from ``model_config`` (e.g. loaded under a distributed plan) instead of a
-    fresh one with the fixed seed. ``quant``: ``"nf4"``, the fresh model's decoder linear layers in
-    bitsandbytes 4-bit (``fastft.bench.quant.quantized``; saved once per model and loaded for each column)."""
+    """The stack of ``column`` on the model ``name``: ((model, whether LoRA is on), a function to call after
+    the column ran, which puts back the module globals the stack patched: Liger's, and the stock columns'
+    torch mixers (``_torch_mixers``)). ``model``: one already built from ``model_config`` (e.g. loaded under
+    a distributed plan) instead of a fresh one with the fixed seed. ``quant``: ``"nf4"``, the fresh model's
+    decoder linear layers in bitsandbytes 4-bit (``fastft.e2e.quant.quantized``; saved once per model and
+    loaded for each column)."""
     import transformers
-
-    from . import quant as quantization
 
     quant = quantization.quant_arg(quant)
     if model is not None and quant is not None:
@@ -466,7 +385,7 @@ def leaks(column: str, name: str) -> str | None:
     c = COLUMNS[column]
     if c.fastft or c.padded:
         return None
-    if c.own_process is not None:  # unsloth: its own packing (packed_seq_lengths); the loss check tells
+    if c.own_process:  # unsloth: its own packing (packed_seq_lengths); the loss check tells
         return None
     if has_mixers(name):
         return "its layers mix tokens outside attention, across documents"
@@ -480,3 +399,19 @@ def columns(device: torch.device, only=None) -> list[str]:
     column can pay one-time costs: name the columns in another order to see them), else all in table order."""
     names = dict.fromkeys(only) if only else COLUMNS
     return [c for c in names if c in COLUMNS and why_not(c, device) is None]
+
+
+def column_inputs(column: str, batch, name: str, tiny: bool, host_lengths: bool = False):
+    """What ``column`` feeds the model ``name`` for one step on ``batch`` (``fastft.e2e.stream.step_inputs``):
+    the packed row, or for a padded column its documents padded to micro-batches of the model's budget."""
+    return step_inputs(batch, budget(name, tiny) if COLUMNS[column].padded else None, host_lengths)
+
+
+def record_facts(column: str, name: str, tiny: bool) -> dict:
+    """The facts of ``column`` on the model ``name`` that ``fastft.e2e.train.record`` takes as keywords (besides
+    dtype, lora and quant, which the built model tells)."""
+    return dict(
+        layers=model_config(name, tiny).num_hidden_layers,
+        padded_budget=budget(name, tiny) if COLUMNS[column].padded else None,
+        leaks=leaks(column, name) is not None,
+    )

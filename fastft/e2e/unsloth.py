@@ -1,24 +1,24 @@
-"""The ``unsloth`` column of the end-to-end benchmark (``python -m fastft bench --e2e --column unsloth``): Unsloth's
+"""The ``unsloth`` column of the main job (``python -m fastft e2e --column unsloth``): Unsloth's
 own fine-tuning stack on the same model, weights and stream as the other columns, in a process of its own.
 
 Unsloth patches transformers, peft, trl and accelerate when it is imported, so it is never imported into the
 benchmark's process: ``run_unsloth_column`` (the column's ``Column.own_process``) starts
-``python -m fastft.bench.unsloth`` (``command``, ``environment``), whose output and errors go to the benchmark's
-own, and reads back its record (``fastft.bench.e2e.record``'s fields, plus the ones below).
+``python -m fastft.e2e.unsloth`` (``command``, ``environment``), whose output and errors go to the benchmark's
+own, and reads back its record (``fastft.e2e.train.record``'s fields, plus the ones below).
 
 In the worker (``main``):
 
 - the model: ``torch.manual_seed(0)`` and ``AutoModelForCausalLM.from_config(model_config(name, tiny))`` in bf16,
-  the weights every column starts from (``fastft.bench.columns.build``), saved to a temporary folder with a small
+  the weights every column starts from (``fastft.e2e.stacks.build``), saved to a temporary folder with a small
   word-level tokenizer built here (``save_model``: Unsloth's loader looks for a tokenizer beside the weights and
   goes to the hub without one), and loaded back with ``FastLanguageModel.from_pretrained`` (MoE and
   linear-attention models: ``FastModel``, after ``enable_hf_packed_attention``) offline
   (``local_files_only``, ``use_exact_model_name``), 16-bit or, with ``--quant nf4``, Unsloth's 4-bit load;
 - LoRA r=16, alpha 32, no dropout, on the modules the other columns put it on
-  (``fastft.bench.columns.lora_targets``), through Unsloth's ``get_peft_model`` with its own gradient
+  (``fastft.e2e.stacks.lora_targets``), through Unsloth's ``get_peft_model`` with its own gradient
   checkpointing (``use_gradient_checkpointing="unsloth"``);
-- the steps: ``fastft.bench.e2e.train`` (AdamW lr 1e-5, each step's loss read, peak reserved memory from the
-  first timed step on) over ``fastft.bench.e2e.stream_batches``, the same rows as the other columns, each fed as
+- the steps: ``fastft.e2e.train.train`` (AdamW lr 1e-5, each step's loss read, peak reserved memory from the
+  first timed step on) over ``fastft.e2e.stream.stream_batches``, the same rows as the other columns, each fed as
   the packed row's ``input_ids``, ``position_ids`` and ``labels`` and its documents' lengths as
   ``packed_seq_lengths`` (a CPU int32 tensor: Unsloth reads it without a host sync and masks the labels at the
   documents' boundaries, which the stream's labels already hold). From ``position_ids`` alone it would find the
@@ -56,6 +56,11 @@ from pathlib import Path
 
 import torch
 
+from .models import budget, has_mixers, is_moe, model_config
+from .stacks import lora_targets, record_facts
+from .stream import stream_batches
+from .train import failed_steps, record, train_primed
+
 ALLOC_CONF = "expandable_segments:True"  # Unsloth's own default
 QUIET = {
     "HF_HUB_OFFLINE": "1",
@@ -77,8 +82,6 @@ def loader(name: str) -> str:
     """The Unsloth loader of the e2e model ``name``: ``FastModel`` for MoE models and models whose layers mix
     tokens outside attention, ``FastLanguageModel`` for the others (decided here: in the worker, transformers is
     Unsloth's patched one)."""
-    from .columns import has_mixers, is_moe
-
     return "FastModel" if is_moe(name) or has_mixers(name) else "FastLanguageModel"
 
 
@@ -87,7 +90,7 @@ def command(
 ) -> list[str]:
     """The worker's command line: train ``warmup`` + ``steps`` steps of the e2e model ``name`` on stream ``kind``
     and write the record to ``out`` (JSON)."""
-    argv = [sys.executable, "-m", "fastft.bench.unsloth", "--model", name, "--stream", kind, "--loader", loader(name)]
+    argv = [sys.executable, "-m", "fastft.e2e.unsloth", "--model", name, "--stream", kind, "--loader", loader(name)]
     argv += ["--warmup", str(warmup), "--steps", str(steps), "--device", str(device), "--json", out]
     if tiny:
         argv.append("--tiny")
@@ -109,14 +112,12 @@ def environment(compile_dir: str, base=None) -> dict:
     return env
 
 
-def run_unsloth_column(
+def run_column(
     name: str, kind: str, column: str, device, tiny: bool, batches: list, warmup: int, quant: str | None = None
 ) -> dict:
     """The record of the ``unsloth`` column (see the module docstring): the worker trains on the stream's first
     ``len(batches)`` rows, ``batches`` here, checked to be the rows it trained on; a worker that fails gives a
     record of NaN steps with its ``error`` (its output above says why)."""
-    from fastft.bench import e2e
-
     steps = len(batches) - warmup
     with tempfile.TemporaryDirectory(prefix="fastft-unsloth-") as tmp:
         out = os.path.join(tmp, "record.json")
@@ -128,18 +129,27 @@ def run_unsloth_column(
         status = subprocess.run(argv, env=env, cwd=tmp).returncode
         if status == 0 and os.path.exists(out):
             with open(out) as f:
-                record = json.load(f)
+                written = json.load(f)
             expected = [b.num_tokens for b in batches]
-            if record.get("row_tokens") != expected:
+            if written.get("row_tokens") != expected:
                 raise RuntimeError(
-                    f"the unsloth worker trained on other rows: {record.get('row_tokens')} != {expected}"
+                    f"the unsloth worker trained on other rows: {written.get('row_tokens')} != {expected}"
                 )
-            return record
-    nan = [float("nan")] * len(batches)
-    result = e2e.Steps(nan, nan, [0] * len(batches), [0] * len(batches), -1)
-    record = e2e.record(name, kind, column, tiny, batches, warmup, result, "bfloat16", True, quant)
-    record.update(error=f"the unsloth worker exited with status {status} (its output above says why)")
-    return record
+            return written
+    facts = record_facts(column, name, tiny)
+    failed = record(
+        name,
+        kind,
+        column,
+        batches,
+        warmup,
+        failed_steps(len(batches)),
+        dtype="bfloat16",
+        lora=True,
+        quant=quant,
+        **facts,
+    )
+    return {**failed, "error": f"the unsloth worker exited with status {status} (its output above says why)"}
 
 
 def save_model(model, folder: str) -> None:
@@ -221,7 +231,7 @@ def _moe_backend() -> str | None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fastft.bench.unsloth", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fastft.e2e.unsloth", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--stream", required=True)
     p.add_argument("--loader", choices=("FastLanguageModel", "FastModel"), required=True)
@@ -241,9 +251,6 @@ def main(argv=None) -> int:
     # isort: split
     import transformers
 
-    from fastft.bench import e2e
-    from fastft.bench.columns import is_moe, lora_targets, model_config
-
     name, device, tiny = args.model, torch.device(args.device), args.tiny
     quant = args.quant
     loader = FastModel if args.loader == "FastModel" else FastLanguageModel
@@ -254,7 +261,7 @@ def main(argv=None) -> int:
             print(f"unsloth column: no enable_hf_packed_attention ({e})", flush=True)
         else:
             print(f"unsloth column: enable_hf_packed_attention() -> {enable_hf_packed_attention()}", flush=True)
-    torch.manual_seed(0)  # the weights of every column (fastft.bench.columns.build)
+    torch.manual_seed(0)  # the weights of every column (fastft.e2e.stacks.build)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(model_config(name, tiny), dtype=torch.bfloat16)
     targets = lora_targets(model, name)
@@ -265,7 +272,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         model, _ = loader.from_pretrained(
             folder,
-            max_seq_length=e2e.budget(name, tiny),
+            max_seq_length=budget(name, tiny),
             dtype=torch.bfloat16,
             load_in_4bit=quant == "nf4",
             load_in_16bit=quant is None,
@@ -284,19 +291,21 @@ def main(argv=None) -> int:
     )
     model.train()
     dtype = str(next(model.parameters()).dtype).split(".")[-1]
-    batches = e2e.stream_batches(name, args.stream, tiny, args.warmup + args.steps, device)
+    batches = stream_batches(name, args.stream, tiny, args.warmup + args.steps, device)
     inputs = [{**b.inputs(), "packed_seq_lengths": torch.tensor(b.seq_lengths, dtype=torch.int32)} for b in batches]
     counts: dict = {}
     print(f"unsloth {unsloth.__version__}: {type(model).__name__}, LoRA on {', '.join(targets)}", flush=True)
     with _counting_routes(counts):
         try:
-            result = e2e.train_primed(model, inputs, args.warmup, device)
+            result = train_primed(model, inputs, args.warmup, device)
         except torch.OutOfMemoryError:
-            nan = [float("nan")] * len(batches)
-            result = e2e.Steps(nan, nan, [0] * len(batches), [0] * len(batches), -1)
-    record = e2e.record(name, args.stream, "unsloth", tiny, batches, args.warmup, result, dtype, True, quant)
+            result = failed_steps(len(batches))
+    facts = record_facts("unsloth", name, tiny)
+    row = record(
+        name, args.stream, "unsloth", batches, args.warmup, result, dtype=dtype, lora=True, quant=quant, **facts
+    )
     setting = os.environ.get("PYTORCH_ALLOC_CONF")
-    record.update(
+    row.update(
         backend=_backend(counts),
         moe_backend=_moe_backend() if is_moe(name) else None,
         unsloth=unsloth.__version__,
@@ -304,11 +313,11 @@ def main(argv=None) -> int:
         alloc_conf_same=setting == os.environ.get("FASTFT_PARENT_ALLOC_CONF", ""),
         row_tokens=[b.num_tokens for b in batches],
     )
-    if not all(map(math.isfinite, record["losses"])):
-        record["error"] = "out of memory" if result.peak_bytes < 0 else "a loss is not finite"
+    if not all(map(math.isfinite, row["losses"])):
+        row["error"] = "out of memory" if result.peak_bytes < 0 else "a loss is not finite"
     with open(args.json, "w") as f:
-        json.dump(record, f)
-    print(f"unsloth column: backend {record['backend']}", flush=True)
+        json.dump(row, f)
+    print(f"unsloth column: backend {row['backend']}", flush=True)
     return 0
 
 

@@ -21,8 +21,8 @@ import weakref
 
 import torch
 
-from .kernels._launch import next_power_of_2
-from .packing import PackedSeqInfo
+from ..kernels._launch import next_power_of_2
+from ..packing import PackedSeqInfo
 
 EXACT_BYTES = 1 << 20  # static buffers under this size get one storage per shape (theirs never grow)
 WARM_UP_IN_POOL = True  # a capture's warm-up allocates from the graph pool (False: from the allocator's cache)
@@ -213,7 +213,7 @@ def static(device, role: str, index: int, shape, dtype, requires_grad: bool = Fa
 
 class Statics:
     """The static buffers of one signature (views of the shared slots), used by its layers' graphs.
-    ``descs``: the signature's description of each argument (``fastft.graph_policy.describe``)."""
+    ``descs``: the signature's description of each argument (``fastft.graphs.policy.describe``)."""
 
     def __init__(self, leaves, descs, device) -> None:
         self.device, self.descs = device, descs

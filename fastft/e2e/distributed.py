@@ -1,4 +1,4 @@
-"""Multi-process e2e steps (``python -m fastft bench --e2e --nproc N --parallel MODE``): the e2e models and
+"""Multi-process e2e steps (``python -m fastft e2e --nproc N --parallel MODE``): the e2e models and
 columns, each rank on its own GPU (NCCL; gloo and tiny configs on CPUs) with its own packed row (seed =
 rank), timed after two warm-up steps. For each (model, mode, column) it runs 1 process and then N, and reports
 tokens/s per GPU, the scaling of the total against one process, and the largest peak memory of any rank.
@@ -23,10 +23,39 @@ import tempfile
 import torch
 
 from ..spawn import exit_spawned_worker
-from . import e2e
+from .models import MODEL_CONFIGS, dtype_for, is_moe, model_config, num_experts
+from .stacks import COLUMNS, build
+from .stacks import columns as columns_here
+from .stream import make_batch
+from .train import step_ms
 
 MODES = ("ddp", "fsdp2", "ep", "hf ep")
 MODELS = ("Qwen3-0.6B", "Qwen3-30B-A3B")  # run without --model: a dense model and a MoE one
+DEFAULT_COLUMNS = ("stock sdpa", "fastft")
+
+
+def why_not(nproc: int, models, columns=None, modes=None, quick: bool = False) -> str | None:
+    """Why ``run(nproc, quick, models, columns, modes)`` cannot run here or would run nothing, in words for a
+    usage error, or None. Checked before spawning: a worker would fail a minute in."""
+    gpu = torch.cuda.is_available()
+    if gpu and torch.cuda.device_count() < nproc:
+        return f"--nproc {nproc} needs {nproc} GPUs, this machine has {torch.cuda.device_count()}"
+    tiny = quick or not gpu
+    models, modes = models or MODELS, modes or ["ddp"]
+    for mode in set(modes) & {"ep", "hf ep"}:
+        moe = [name for name in models if is_moe(name)]
+        if not moe:
+            return f"--parallel {mode} needs a MoE --model ({', '.join(n for n in MODEL_CONFIGS if is_moe(n))})"
+        for name in moe:
+            experts = num_experts(name, tiny)
+            if experts % nproc:
+                return (
+                    f"--parallel {mode} gives each rank an equal share of {name}'s {experts} experts"
+                    f"{' (tiny config)' if tiny else ''}: {experts} experts do not split over --nproc {nproc}"
+                )
+    if "ep" in modes and not any(COLUMNS[c].fastft for c in columns or DEFAULT_COLUMNS):
+        return "--parallel ep is fastft's expert parallelism: it needs a fastft --column"
+    return None
 
 
 def _wrap(model, mode: str, moe: bool):
@@ -53,7 +82,7 @@ def _wrap(model, mode: str, moe: bool):
     return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=moe and mode == "ddp")
 
 
-def _worker(rank, world, init, out, name, column, mode, tiny, checkpoint):
+def _worker(rank, world, init, out, name, column, mode, tiny, checkpoint, schedule):
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
@@ -74,14 +103,14 @@ def _worker(rank, world, init, out, name, column, mode, tiny, checkpoint):
 
             config = DistributedConfig(tp_plan="auto", enable_expert_parallel=True)
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                checkpoint, dtype=e2e.dtype_for(device), distributed_config=config
+                checkpoint, dtype=dtype_for(device), distributed_config=config
             ).to(device)  # with one rank, the plan leaves the model where it was loaded
-        (model, _), restore = e2e.build(name, column, device, tiny, model=model)
+        (model, _), restore = build(name, column, device, tiny, model=model)
         moe = ft_hf.has_experts(model)
         wrapped = _wrap(model, mode, moe)
-        batch, _ = e2e.make_batch(name, device, tiny, seed=0 if mode == "hf ep" else rank)
+        batch, _ = make_batch(name, device, tiny, seed=0 if mode == "hf ep" else rank)
         try:
-            ms, peak, loss = e2e.step_ms(wrapped, batch, 2 if tiny else 3, device)
+            ms, peak, loss = step_ms(wrapped, batch, schedule[1], device, warmup=schedule[0])
         finally:
             restore()
         row = torch.tensor([ms, peak, batch["input_ids"].shape[1]], dtype=torch.float64, device=device)
@@ -95,14 +124,14 @@ def _worker(rank, world, init, out, name, column, mode, tiny, checkpoint):
     exit_spawned_worker()
 
 
-def _spawn(world: int, name: str, column: str, mode: str, tiny: bool, checkpoint) -> dict:
+def _spawn(world: int, name: str, column: str, mode: str, tiny: bool, checkpoint, schedule) -> dict:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         mp.spawn(
             _worker,
-            args=(world, os.path.join(tmp, "init"), out, name, column, mode, tiny, checkpoint),
+            args=(world, os.path.join(tmp, "init"), out, name, column, mode, tiny, checkpoint, schedule),
             nprocs=world,
         )
         with open(out) as f:
@@ -130,36 +159,38 @@ def _checkpoint(name: str, tiny: bool, path: str) -> str:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(
-            e2e.model_config(name, tiny), dtype=e2e.dtype_for(torch.device(device))
+            model_config(name, tiny), dtype=dtype_for(torch.device(device))
         )
     model.save_pretrained(path)
     del model
     return path
 
 
-def run(nproc: int, quick: bool, models=None, columns=None, modes=None) -> list[dict]:
-    """Records of 1 and ``nproc`` processes per (model, mode, column); see the module docstring."""
+def run(nproc: int, quick: bool, models=None, columns=None, modes=None, warmup=None, steps=None) -> list[dict]:
+    """Records of 1 and ``nproc`` processes per (model, mode, column); see the module docstring. Each rank
+    trains ``warmup`` untimed steps (default 2) and ``steps`` timed ones (default 3; 2 in the tiny configs).
+    ``ValueError`` where ``why_not`` says why it cannot run."""
+    if why := why_not(nproc, models, columns, modes, quick):
+        raise ValueError(why)
     gpu = torch.cuda.is_available()
-    if gpu and torch.cuda.device_count() < nproc:
-        raise ValueError(f"--nproc {nproc} needs {nproc} GPUs, this machine has {torch.cuda.device_count()}")
     tiny = quick or not gpu
+    schedule = (2 if warmup is None else warmup, steps or (2 if tiny else 3))
     device = torch.device("cuda" if gpu else "cpu")
     records = []
     for name in models or MODELS:
-        moe = e2e.MODELS[name][0] in ("Qwen3MoeConfig", "GptOssConfig")
         for mode in modes or ["ddp"]:
-            if mode in ("ep", "hf ep") and not moe:
+            if mode in ("ep", "hf ep") and not is_moe(name):
                 continue
             with tempfile.TemporaryDirectory() as tmp:
                 checkpoint = _checkpoint(name, tiny, tmp) if mode == "hf ep" else None
-                for column in e2e.columns(device, columns or ["stock sdpa", "fastft"]):
-                    if column == "naive glue" or (mode == "ep" and not column.startswith("fastft")):
+                for column in columns_here(device, columns or DEFAULT_COLUMNS):
+                    if column == "naive glue" or (mode == "ep" and not COLUMNS[column].fastft):
                         continue
                     for world in sorted({1, nproc}):
-                        r = _spawn(world, name, column, mode, tiny, checkpoint)
+                        r = _spawn(world, name, column, mode, tiny, checkpoint, schedule)
                         one = next((p for p in records if p["world"] == 1 and _same(p, r)), r)
                         r["scaling"] = r["tokens_per_s_per_gpu"] * world / one["tokens_per_s_per_gpu"]
-                        r["layers"] = 2 if tiny else e2e.MODELS[name][2]
+                        r["layers"] = model_config(name, tiny).num_hidden_layers
                         records.append(r)
                         peak = f"{r['peak_gib']:.2f} GiB" if r["peak_gib"] is not None else "n/a"
                         print(

@@ -1,7 +1,7 @@
 """Capture and replay of one layer's two CUDA graphs for one signature (``fastft.graphs``).
 
 ``capture`` runs the layer once without and once with grad on the side stream (Triton compiles, cuBLAS
-workspaces; the memory from the graph pool, ``fastft.graph_memory``), then captures the forward without
+workspaces; the memory from the graph pool, ``fastft.graphs.memory``), then captures the forward without
 grad, and the recompute with ``torch.autograd.grad`` of the outputs with respect to the inputs that
 require grad and the layer's trainable parameters. Each graph copies its results into static buffers and
 frees everything else it allocated before it ends, so no graph keeps memory of the pool alive. ``Replay``
@@ -16,9 +16,9 @@ import gc
 import torch
 from torch.utils import _pytree as pytree
 
-from . import graph_memory
-from .graph_policy import identity
-from .offload import OffloadedInput, offloader_for
+from ..offload import OffloadedInput, offloader_for
+from . import memory
+from .policy import identity
 
 
 class CudaGraph:
@@ -49,7 +49,7 @@ class Graphs:
     """One layer's two graphs for one signature."""
 
     def __init__(self, statics, params, ident, out_leaves, out_spec, diff_out, diff_in, used) -> None:
-        self.statics, self.params, self.identity = statics, params, ident  # identity: graph_policy.identity
+        self.statics, self.params, self.identity = statics, params, ident  # identity: policy.identity
         self.out_leaves, self.out_spec = out_leaves, out_spec  # outputs' leaves (TENSOR for tensors), structure
         self.diff_out = diff_out  # indices of the tensor outputs that carry gradients
         self.diff_in = diff_in  # indices of the tensor inputs that require grad
@@ -94,7 +94,7 @@ def capture(module, target, spec, leaves, statics, device) -> Graphs:
     ``ValueError`` if it draws random numbers; ``CaptureError`` if it cannot be captured."""
     params = [p for p in module.parameters() if p.requires_grad]
     ident = identity(module)
-    pool, stream = graph_memory.pool_and_stream(device)
+    pool, stream = memory.pool_and_stream(device)
     inputs = tensors(statics.inputs)
     diff_in = [i for i, t in enumerate(inputs) if t.requires_grad]
     # The captures differentiate aliases of the parameters: a parameter's own gradient accumulator may be
@@ -116,7 +116,7 @@ def capture(module, target, spec, leaves, statics, device) -> Graphs:
     versions = [t._version for t in inputs]
     try:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            with graph_memory.allocating_to_pool(device, pool):
+            with memory.allocating_to_pool(device, pool):
                 with torch.no_grad():
                     out_leaves, out_spec = pytree.tree_flatten(call())
                 out_leaves = [TENSOR if isinstance(o, torch.Tensor) else o for o in out_leaves]  # frees them
@@ -148,9 +148,9 @@ def capture(module, target, spec, leaves, statics, device) -> Graphs:
         )
     if statics.out is None:  # allocated on the current stream, which reads them
         statics.outputs(outs, diff_out, inputs, diff_in, params)
-        if statics.epoch != graph_memory.epoch(device):  # an output buffer grew: the pool is a new one
-            pool, stream = graph_memory.pool_and_stream(device)
-            statics.epoch = graph_memory.epoch(device)
+        if statics.epoch != memory.epoch(device):  # an output buffer grew: the pool is a new one
+            pool, stream = memory.pool_and_stream(device)
+            statics.epoch = memory.epoch(device)
     elif shapes != [(o.shape, o.dtype) for o in statics.out] or len(diff_out) != len(statics.grad_out):
         raise CaptureError("layers of one signature return different outputs")
     del outs
@@ -176,7 +176,7 @@ def capture(module, target, spec, leaves, statics, device) -> Graphs:
             graphs.forward = new_graph(forward_body, pool, stream)
             graphs.backward = new_graph(backward_body, pool, stream)
     except Exception as e:  # a sync or host-side work that a graph cannot hold
-        graph_memory.forget_pool(device)  # torch leaves the allocator recording into the failed capture's pool
+        memory.forget_pool(device)  # torch leaves the allocator recording into the failed capture's pool
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CaptureError(f"{type(e).__name__}: {first}") from e
     return graphs
