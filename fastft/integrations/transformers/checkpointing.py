@@ -22,9 +22,11 @@ def graphs_arg(graphs) -> bool | str:
 
 
 def checkpoint_function(config: OffloadConfig | None = None, *, graphs: bool | str = False, **config_fields):
-    """The checkpoint function of ``enable_gradient_checkpointing``'s options (checked here, once for it and
-    for ``apply``): ``graphed_checkpoint`` with ``graphs=True`` (``policy="auto"`` with ``graphs="auto"``),
-    else ``offloaded_checkpoint``, configured by ``config`` or ``OffloadConfig`` fields as keywords."""
+    """The checkpoint function that ``enable_gradient_checkpointing`` (and so ``apply``) installs, its options
+    checked here: ``graphed_checkpoint`` with ``graphs=True`` (``policy="auto"`` with ``graphs="auto"``), else
+    ``offloaded_checkpoint`` (``fastft.offload.gradient_checkpointing_func`` for the default configuration),
+    configured by ``config`` or ``OffloadConfig`` fields as keywords; ``ValueError`` for both, ``TypeError``
+    for ``graphs`` not True, False or ``"auto"``."""
     if config is not None and config_fields:
         raise ValueError("give either config or OffloadConfig fields as keywords, not both")
     check_offload_config(config, "config")

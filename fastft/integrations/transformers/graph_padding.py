@@ -1,5 +1,5 @@
 """Token-count buckets for CUDA-graphed layers: under ``apply(model, graphs=True | "auto")`` the decoder stack's
-pre-hook pads each training batch to ``fastft.buckets.token_bucket`` tokens per row, the padding tokens
+pre-hook pads each training batch to ``fastft.graphs.buckets.token_bucket`` tokens per row, the padding tokens
 forming documents of their own, and a forward hook cuts the stack's outputs back to the real tokens, so
 that logits and labels keep the caller's shapes. A padding-free stream then needs few graph signatures.
 
