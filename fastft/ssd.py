@@ -146,9 +146,10 @@ def packed_ssd_scan(
     table = chunk_table(info, chunk_size)
     with torch.autocast(x.device.type, enabled=False):
         step = discretize(dt.reshape(b * t, h), dt_bias, dt_softplus, dt_limit)
-        y = _chunked(x.reshape(b * t, h, p).float(), step, A, B, C, table, chosen)  # [N, H, P]
+        xf = x.reshape(b * t, h, p).float()  # cast once: x's gradient is summed in fp32, rounded once
+        y = _chunked(xf, step, A, B, C, table, chosen)  # [N, H, P]
         if D is not None:
-            y = y + x.reshape(b * t, h, p).float() * (D.float()[:, None] if D.dim() == 1 else D.float())
+            y = y + xf * (D.float()[:, None] if D.dim() == 1 else D.float())
         if z is not None:
             y = y * F.silu(z.reshape(b * t, h, p).float())
     return y.reshape(b, t, h, p).to(x.dtype)

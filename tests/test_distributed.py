@@ -38,7 +38,8 @@ if BACKEND not in ("gloo", "nccl"):
     raise ValueError(f"FASTFT_DIST_BACKEND must be gloo or nccl, got {BACKEND!r}")
 if BACKEND == "gloo" and not dist.is_gloo_available():
     pytest.skip("needs gloo", allow_module_level=True)
-if BACKEND == "nccl" and (not dist.is_nccl_available() or torch.cuda.device_count() < WORLD):
+# (a torchrun worker of test_two_nodes_under_torchrun runs this file as __main__, seeing its node's GPU alone)
+if __name__ != "__main__" and BACKEND == "nccl" and (not dist.is_nccl_available() or torch.cuda.device_count() < WORLD):
     pytest.skip(f"needs NCCL and {WORLD} GPUs ({torch.cuda.device_count()} here)", allow_module_level=True)
 if WORLD < 1:
     raise ValueError(f"FASTFT_DIST_WORLD must be >= 1, got {WORLD}")

@@ -185,7 +185,11 @@ def test_no_tokens(device):
     info = fastft.packed_seq_info(seq_lengths=[], device=device)
     x = torch.zeros(1, 0, 2, 4, device=device)
     out = packed_ssd_scan(
-        x, torch.zeros(1, 0, 2, device=device), torch.zeros(2, device=device), *[torch.zeros(1, 0, 1, 3)] * 2, info
+        x,
+        torch.zeros(1, 0, 2, device=device),
+        torch.zeros(2, device=device),
+        *[torch.zeros(1, 0, 1, 3, device=device)] * 2,
+        info,
     )
     assert out.shape == (1, 0, 2, 4)
 
