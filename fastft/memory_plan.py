@@ -320,22 +320,30 @@ class _Sample:
 
 
 def _storages(module) -> set:
-    if module is None:
-        return set()
-    return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+    """The data pointers of a module's parameters and buffers (skipping sharded ``DTensor`` ones: FSDP2 swaps
+    in the unsharded ones for its forward)."""
+    found = set()
+    for t in (*module.parameters(), *module.buffers()) if module is not None else ():
+        try:
+            found.add(t.untyped_storage().data_ptr())
+        except RuntimeError:
+            continue
+    return found
 
 
 def _measure(function, args, kwargs, module, clock: Clock, device: torch.device) -> tuple[int, tuple, object]:
     """Run ``function(*args, **kwargs)`` once more and drop its result: (bytes it saves for backward,
     ``_SavedOps.result()``, its forward span). At its end it holds what one recomputation in backward holds."""
-    exclude = _storages(module)
+    exclude: list = []  # read in the forward: FSDP2 (transformers < 5.24) unshards inside ``function``
     seen: set = set()
     total = [0]
 
     def pack(t):
+        if not exclude:
+            exclude.append(_storages(module))
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in exclude and ptr not in seen:
+        if ptr not in exclude[0] and ptr not in seen:
             seen.add(ptr)
             total[0] += storage.nbytes()
         return t  # kept until the forward's result is dropped, so that no storage is counted at a reused address

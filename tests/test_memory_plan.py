@@ -336,3 +336,260 @@ def test_dropout_and_in_place_writes_keep_results_exact():
     got = train(model, rows)
     assert p.plan.counts()["selective"] == LAYERS
     assert_equal(got, want)
+
+
+def test_max_tokens_and_larger_steps():
+    """The plan is made for max_tokens; without it for the largest step seen, and again for a larger one."""
+    costs, floor_peak = measured(False)
+    budget = floor_peak + 2 * extra(costs, mp.KEEP)  # every layer keeps at TOKENS, not at 3 * TOKENS
+    model = build(False)
+    p = planner(budget, max_tokens=3 * TOKENS)
+    ft_hf.apply(model, memory_budget=p)
+    train(model, batches(2))
+    assert p.plan.tokens == 3 * TOKENS and p.plan.counts()["keep"] < LAYERS
+    assert p.plan.floor_peak == HELD + 3 * ABOVE  # the first step's peak above what was held, per token
+    model = build(False)
+    p = planner(budget)
+    ft_hf.apply(model, memory_budget=p)
+    rows = batches(tokens=[TOKENS, TOKENS, TOKENS // 2, 3 * TOKENS])
+    want = train(ft_hf.apply(build(False)), rows)
+    got = train(model, rows[:3])
+    assert p.plan.tokens == TOKENS and p.plan.counts()["keep"] == LAYERS  # a smaller step keeps the plan
+    got += train(model, rows[3:])
+    assert p.plan.tokens == 3 * TOKENS and p.plan.counts()["keep"] < LAYERS and p.plan.peak <= budget
+    assert_equal(got[:3], want[:3])  # (the optimizers differ after the first: separate SGD states)
+    assert p.plan_for(TOKENS).counts()["keep"] == LAYERS
+
+
+def test_budget_below_full_recompute():
+    model = build(False)
+    ft_hf.apply(model, memory_budget=planner(HELD + ABOVE - 1))
+    rows = batches(2)
+    train(model, rows[:1])  # the first step runs at the floor, measured
+    with pytest.raises(ValueError, match=r"memory_budget=59999 \(58\.59 KiB\) is below what full recompute needs"):
+        train(model, rows[1:])
+    with pytest.raises(ValueError, match="is not above the 9.77 KiB the model already holds"):
+        ft_hf.apply(build(False), memory_budget=planner(HELD))  # before the first step
+    auto = planner("auto", device_memory=FakeMemory(reachable=HELD, total=HELD))  # less than the floor: the floor
+    model = ft_hf.apply(build(False), memory_budget=auto)
+    train(model, batches(2))
+    assert auto.plan.counts()["offload"] == LAYERS
+
+
+def test_needs_a_cuda_device_or_its_memory():
+    model = ft_hf.apply(build(False), memory_budget="auto")
+    with pytest.raises(ValueError, match="memory_budget plans CUDA device memory; this model runs on cpu"):
+        train(model, batches(1))
+
+
+def test_apply_arguments():
+    with pytest.raises(ValueError, match="needs offload_checkpointing=True"):
+        ft_hf.apply(build(False), memory_budget="auto", offload_checkpointing=False)
+    with pytest.raises(ValueError, match="give memory_budget too"):
+        ft_hf.apply(build(False), max_tokens=100)
+    with pytest.raises(TypeError, match="max_tokens must be an int"):
+        ft_hf.apply(build(False), memory_budget="auto", max_tokens="100")
+    with pytest.raises(ValueError, match="not beside it"):
+        ft_hf.apply(build(False), memory_budget=planner("auto"), max_tokens=100)
+    with pytest.raises(ValueError, match="choices must be among"):
+        planner("auto", choices=("keep", "fast"))
+    with pytest.raises(ValueError, match="apply the model with offload_checkpointing=True"):
+        ft_hf.use_memory_plan(build(False), "auto")
+
+
+def test_only_training_steps_are_planned_and_revert():
+    """Evaluation, no-grad and generation forwards neither start a step nor checkpoint; a training forward
+    whose backward never ran is measured again; revert removes the planner."""
+    model = build(False)
+    p = planner(1 << 40)
+    ft_hf.apply(model, memory_budget=p)
+    assert ft_hf.memory_plan(model) is None
+    row = batches(1)[0]
+    model.eval()
+    with torch.no_grad():
+        model(**row)
+    model.generate(row["input_ids"][:, :5], max_new_tokens=3, do_sample=False)
+    model.train()
+    with torch.no_grad():
+        model(**row)
+    assert p.memory_budget == 1 << 40 and p.device_memory.resets == 0  # no step started
+    model(**row)  # a training forward without backward
+    train(model, batches(1))  # measured again: the first step
+    assert p.device_memory.resets == 2 and ft_hf.memory_plan(model) is None
+    train(model, batches(1))
+    assert ft_hf.memory_plan(model) is p.plan and p.plan.counts()["keep"] == LAYERS
+    ft_hf.revert(model)
+    assert ft_hf.memory_planner(model) is None
+    assert not any(layer.gradient_checkpointing for layer in ft_hf.decoder_layers(model))
+
+
+@pytest.mark.parametrize("spelling", ["gradient_checkpointing_enable", "activation_checkpointing_enable"])
+def test_checkpointing_enabled_again(spelling):
+    """transformers' every_n_layers (Trainer, TRL) picks the layers the plan covers; turning checkpointing
+    on again measures again. A context_fn among the options leaves selective out."""
+    model = build(False)
+    if not hasattr(model, spelling):
+        pytest.skip(f"transformers {transformers.__version__} has no {spelling}")
+    p = planner(1 << 40)
+    ft_hf.apply(model, memory_budget=p)
+    train(model, batches(2))
+    assert p.plan is not None
+    getattr(model, spelling)(every_n_layers=2)
+    assert p.plan is None
+    train(model, batches(2))
+    assert [line.layer for line in p.plan.layers] == [0, 2]
+    getattr(model, spelling)({"context_fn": torch.utils.checkpoint.noop_context_fn})
+    train(model, batches(2))
+    assert all(mp.SELECTIVE not in c.choices for c in p.costs) and len(p.costs) == LAYERS
+
+
+def test_graphs_plan_no_selective():
+    model = build(False)
+    p = planner(1 << 40, choices=(mp.SELECTIVE, mp.RECOMPUTE))
+    ft_hf.apply(model, memory_budget=p, graphs=True)
+    rows = batches(3)
+    want = train(ft_hf.apply(build(False)), rows)
+    assert_equal(train(model, rows), want)
+    assert p.plan.counts()["recompute"] == LAYERS  # selective would fit, but a graph cannot replay it
+
+
+def test_trainer_with_a_plan(tmp_path):
+    pytest.importorskip("accelerate")
+    model = build(True)
+    p = planner(1 << 40)
+    ft_hf.apply(model, memory_budget=p)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(1, 128, (n,), generator=g).tolist()} for n in (5, 9, 3, 7, 6, 8)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        gradient_checkpointing=True,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+    )
+    collate = transformers.DataCollatorWithFlattening()
+    transformers.Trainer(model=model, args=args, train_dataset=rows, data_collator=collate).train()
+    assert p.plan is not None and p.plan.counts()["keep"] == LAYERS
+
+
+HYBRID = dict(  # Qwen3-Next: Gated DeltaNet and attention layers, MoE experts
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=32,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+)
+
+
+def build_other(family):
+    if family == "qwen3_next":
+        config = transformers.AutoConfig.for_model("qwen3_next", **HYBRID)
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(config).train()
+    peft = pytest.importorskip("peft")
+    model = tiny_hf_model("qwen3_moe", num_hidden_layers=LAYERS)
+    targets = ["q_proj", "v_proj"]  # and LoRA on the experts' weights, through fastft's experts path
+    config = peft.LoraConfig(r=4, target_modules=targets, target_parameters=["mlp.experts.gate_up_proj"])
+    return peft.get_peft_model(model, config)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.usefixtures("transformers_torch_delta_rule")
+def test_moe_and_hybrid_models(family):
+    rows = batches(3)
+    want = train(ft_hf.apply(build_other(family)), rows)
+    for choices in [(mp.KEEP,), (mp.SELECTIVE,)]:
+        model = build_other(family)
+        p = planner(1 << 40, choices=choices)
+        ft_hf.apply(model, memory_budget=p)
+        assert_equal(train(model, rows), want)
+        assert p.plan.counts()[choices[0]] == LAYERS
+
+
+def distributed_worker(rank, world, init, out):
+    import torch.distributed as dist
+
+    from fastft.spawn import exit_spawned_worker
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        import os
+
+        os.environ["FASTFT_BACKEND"] = "torch"
+        torch.set_num_threads(1)
+        results = {}
+        for wrap, lora in (("ddp", False), ("fsdp2", True)):
+            model = build(lora)
+            # rank 1 can reach less memory: every rank plans for it
+            reachable = 1 << 40 if rank == 0 else (1 << 30) + 360_000
+            p = planner("auto", device_memory=FakeMemory(reachable=reachable, total=1 << 30))
+            ft_hf.apply(model, memory_budget=p)
+            if wrap == "ddp":
+                wrapped = torch.nn.parallel.DistributedDataParallel(model)
+            else:
+                from torch.distributed.fsdp import fully_shard
+
+                for layer in ft_hf.decoder_layers(model):
+                    fully_shard(layer)
+                wrapped = fully_shard(model)
+            got = []
+            for row in batches(3):  # every rank the same rows: the gradients are one process's
+                model.zero_grad(set_to_none=True)
+                loss = wrapped(**row).loss
+                loss.backward()
+                grads = {
+                    n: (q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad).detach().clone()
+                    for n, q in model.named_parameters()
+                    if q.grad is not None
+                }
+                got.append((loss.detach(), grads))
+            results[wrap] = (str(p.plan), got)
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+    exit_spawned_worker()
+
+
+@pytest.mark.distributed
+def test_ranks_agree_on_one_plan_under_ddp_and_fsdp2(tmp_path):
+    import torch.distributed as dist
+    import torch.multiprocessing as multiprocessing
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    out = str(tmp_path / "out")
+    multiprocessing.spawn(distributed_worker, args=(2, str(tmp_path / "init"), out), nprocs=2)
+    results = [torch.load(f"{out}.{r}") for r in range(2)]
+    for wrap, lora in (("ddp", False), ("fsdp2", True)):
+        plans = [r[wrap][0] for r in results]
+        assert plans[0] == plans[1]
+        assert plans[0].count("selective") == LAYERS, plans[0]  # rank 1's budget, on both ranks
+        reference = build(lora)
+        ft_hf.apply(reference)
+        want = []
+        for row in batches(3):
+            reference.zero_grad(set_to_none=True)
+            loss = reference(**row).loss
+            loss.backward()
+            want.append(
+                (loss.detach(), {n: q.grad.clone() for n, q in reference.named_parameters() if q.grad is not None})
+            )
+        for rank in range(2):
+            for (loss, grads), (loss2, grads2) in zip(results[rank][wrap][1], want):
+                torch.testing.assert_close(loss, loss2, atol=0, rtol=0)
+                assert grads.keys() == grads2.keys()
+                for name in grads:
+                    torch.testing.assert_close(grads[name], grads2[name], atol=1e-6, rtol=1e-5, msg=name)

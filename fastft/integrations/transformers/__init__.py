@@ -50,7 +50,7 @@ from .experts import ExpertShard as ExpertShard
 from .experts import experts_forward as experts_forward
 from .experts import register as register
 from .experts import use_moe
-from .memory import memory_plan, use_memory_plan
+from .memory import memory_plan, memory_planner, use_memory_plan
 from .mixers import check_packing, packing_blockers
 
 # The user verbs; the names re-exported "as" themselves above stay importable from here, as in 0.2.
@@ -62,6 +62,7 @@ __all__ = [
     "enable_gradient_checkpointing",
     "use_memory_plan",
     "memory_plan",
+    "memory_planner",
     "use_expert_parallel",
     "expert_parameters",
     "hf_model",

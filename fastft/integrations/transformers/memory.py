@@ -3,7 +3,7 @@ recomputes or offloads, as ``fastft.memory_plan.MemoryPlanner`` chooses from the
 measurements to fit a memory budget in the least time (``apply(model, memory_budget=...)``).
 
 - Which layers: those transformers checkpoints (``gradient_checkpointing_enable``'s ``every_n_layers``, e.g.
-  from ``Trainer``/TRL); a layer it leaves unchekpointed keeps its activations and counts in the measured
+  from ``Trainer``/TRL); a layer it leaves uncheckpointed keeps its activations and counts in the measured
   peak. ``gradient_checkpointing=True`` means the plan may checkpoint the layers; it need not.
 - Each planned layer's checkpoint function is the planner's around fastft's (``offloaded_checkpoint``, or
   ``graphed_checkpoint`` with ``graphs``), put on again whenever checkpointing is turned on again (which
@@ -17,6 +17,7 @@ measurements to fit a memory budget in the least time (``apply(model, memory_bud
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -82,7 +83,7 @@ def install(inner) -> None:
     func, graphs = checkpointing["func"], checkpointing["graphs"]
     options = checkpointing.get("options", {})
     if options:
-        func = _with_options(func, options)
+        func = functools.partial(func, **options)
     choices = CHOICES
     if graphs or "context_fn" in options:
         choices = tuple(c for c in CHOICES if c != SELECTIVE)
@@ -97,13 +98,6 @@ def install(inner) -> None:
                 module=layer,
                 kind=_kind(layer),
             )
-
-
-def _with_options(func, options):
-    def checkpoint(function, *args, **kwargs):
-        return func(function, *args, **{**options, **kwargs})
-
-    return checkpoint
 
 
 def _kind(layer) -> tuple:
