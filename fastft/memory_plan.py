@@ -77,6 +77,8 @@ __all__ = [
     "Clock",
     "plan_memory",
     "check_memory_budget",
+    "allocated_bytes",
+    "saved_by_selective",
     "selective_context",
     "run_choice",
 ]
@@ -301,7 +303,11 @@ class _SavedOps(TorchDispatchMode):
             changed = torch.stack([(t != copy).any() for _, t, copy in pairs]).tolist()  # one sync
         skip = frozenset(key for (key, _, _), c in zip(pairs, changed) if c)
         kept = [(outs, span) for key, outs, span in self.calls if key not in skip]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for outs, _ in kept for t, _ in outs}
+        storages = {
+            t.untyped_storage().data_ptr(): allocated_bytes(t.untyped_storage().nbytes())
+            for outs, _ in kept
+            for t, _ in outs
+        }
         return sum(storages.values()), [span for _, span in kept], skip
 
 
@@ -317,6 +323,11 @@ class _Sample:
     offloadable: bool  # whether its input goes to host memory at the floor
     spans: list  # forward spans: the floor call's and the measurement forward's
     saved_spans: list  # the saved ops' spans
+
+
+def allocated_bytes(nbytes: int) -> int:
+    """What a storage of ``nbytes`` takes from torch's CUDA caching allocator (blocks of 512 bytes)."""
+    return -(-nbytes // 512) * 512
 
 
 def _storages(module) -> set:
@@ -345,7 +356,7 @@ def _measure(function, args, kwargs, module, clock: Clock, device: torch.device)
         ptr = storage.data_ptr()
         if ptr not in exclude[0] and ptr not in seen:
             seen.add(ptr)
-            total[0] += storage.nbytes()
+            total[0] += allocated_bytes(storage.nbytes())
         return t  # kept until the forward's result is dropped, so that no storage is counted at a reused address
 
     devices = [device] if device.type == "cuda" else []
@@ -439,7 +450,11 @@ class MemoryPlan:
 
     def choice(self, layer: int) -> str | None:
         """The choice of layer ``layer`` (None for a layer the plan does not cover)."""
-        return next((c.choice for c in self.layers if c.layer == layer), None)
+        return self._by_layer.get(layer)
+
+    @functools.cached_property
+    def _by_layer(self) -> dict:
+        return {c.layer: c.choice for c in self.layers}
 
     def counts(self) -> dict:
         """How many layers take each choice."""
@@ -633,7 +648,7 @@ class MemoryPlanner:
             keep=keep,
             saved=saved,
             skip=skip,
-            input=x.numel() * x.element_size(),
+            input=allocated_bytes(x.numel() * x.element_size()),
             offloadable=floor == OFFLOAD,
             spans=[self.clock.stop(token), span],
             saved_spans=saved_spans,
