@@ -54,6 +54,7 @@ import logging
 import math
 import numbers
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -788,11 +789,11 @@ class MemoryPlanner:
             self.plan = self.plan_for_floor(tokens)
             if "floor" not in self._warned:
                 self._warned.add("floor")
-                _log.warning(
-                    "fastft memory plan: a step of %d tokens needs more than memory_budget=%r even with full "
-                    "recompute; running full recompute",
-                    tokens,
-                    self.memory_budget,
+                warnings.warn(
+                    f"fastft memory plan: a step of {tokens} tokens needs more than memory_budget="
+                    f"{self.memory_budget!r} even with full recompute; running full recompute",
+                    RuntimeWarning,
+                    stacklevel=2,
                 )
         _log.info("%s", self.plan)
 

@@ -370,6 +370,12 @@ def test_budget_below_full_recompute():
         train(model, rows[1:])
     with pytest.raises(ValueError, match="is not above the 9.77 KiB the model already holds"):
         ft_hf.apply(build(False), memory_budget=planner(HELD))  # before the first step
+    model = build(False)
+    ft_hf.apply(model, memory_budget=planner(HELD + ABOVE))  # the floor fits at TOKENS, not at twice as many
+    train(model, batches(2))
+    with pytest.warns(RuntimeWarning, match="a step of 96 tokens needs more than memory_budget=60000"):
+        train(model, batches(1, 2 * TOKENS))
+    assert ft_hf.memory_plan(model).counts()["offload"] == LAYERS
     auto = planner("auto", device_memory=FakeMemory(reachable=HELD, total=HELD))  # less than the floor: the floor
     model = ft_hf.apply(build(False), memory_budget=auto)
     train(model, batches(2))
@@ -519,6 +525,9 @@ def test_moe_and_hybrid_models(family):
         assert p.plan.counts()[choices[0]] == LAYERS
 
 
+WRAPS = (("ddp", False), ("ddp static", True), ("fsdp2", True))
+
+
 def distributed_worker(rank, world, init, out):
     import torch.distributed as dist
 
@@ -531,14 +540,14 @@ def distributed_worker(rank, world, init, out):
         os.environ["FASTFT_BACKEND"] = "torch"
         torch.set_num_threads(1)
         results = {}
-        for wrap, lora in (("ddp", False), ("fsdp2", True)):
+        for wrap, lora in WRAPS:
             model = build(lora)
             # rank 1 can reach less memory: every rank plans for it
             reachable = 1 << 40 if rank == 0 else (1 << 30) + 360_000
             p = planner("auto", device_memory=FakeMemory(reachable=reachable, total=1 << 30))
             ft_hf.apply(model, memory_budget=p)
-            if wrap == "ddp":
-                wrapped = torch.nn.parallel.DistributedDataParallel(model)
+            if wrap.startswith("ddp"):
+                wrapped = torch.nn.parallel.DistributedDataParallel(model, static_graph=wrap == "ddp static")
             else:
                 from torch.distributed.fsdp import fully_shard
 
@@ -573,7 +582,7 @@ def test_ranks_agree_on_one_plan_under_ddp_and_fsdp2(tmp_path):
     out = str(tmp_path / "out")
     multiprocessing.spawn(distributed_worker, args=(2, str(tmp_path / "init"), out), nprocs=2)
     results = [torch.load(f"{out}.{r}") for r in range(2)]
-    for wrap, lora in (("ddp", False), ("fsdp2", True)):
+    for wrap, lora in WRAPS:
         plans = [r[wrap][0] for r in results]
         assert plans[0] == plans[1]
         assert plans[0].count("selective") == LAYERS, plans[0]  # rank 1's budget, on both ranks
