@@ -10,9 +10,12 @@ step's measured bytes and times to fit a memory budget in the least time.
 Choices, from most memory and least time to least memory and most time:
 
 - ``keep``: no checkpoint; the layer's forward saves what autograd needs (norms, casts, activations...).
-- ``selective``: checkpointed with torch's selective activation checkpointing: the outputs of the GEMMs
-  (matmuls whose reduction dim is at least an eighth of their output width: not LoRA's rank-r up
-  projection) and of attention and fastft's delta-rule scan are saved, the cheap rest recomputed.
+- ``selective``: checkpointed, and selective activation checkpointing inside (torch's design, fastft's two
+  dispatch modes, ``selective_context``): the results of the GEMMs (matmuls whose reduction dim is at least
+  an eighth of their output width: not LoRA's rank-r up projection; an in-place GEMM such as ``addmm_``
+  too, its result written back in recomputation), of attention without dropout and of fastft's delta-rule
+  scan are saved, the cheap rest recomputed. A result something writes into later in the layer (an
+  in-place op, or a kernel autograd does not see) is found on the first step and recomputed instead.
 - ``recompute``: checkpointed, its input kept on the device.
 - ``offload``: checkpointed, its input in pinned host memory (``fastft.offloaded_checkpoint``); where the
   input is not offloaded (a CPU tensor, a small input, ``OffloadConfig(enabled=False)``) it is
@@ -22,7 +25,9 @@ Choices, from most memory and least time to least memory and most time:
 Measurement (the first training step, which runs at the floor): each planned layer's forward runs once more,
 its results discarded (the random state restored, so the step computes what full recompute does), under a
 saved-tensor hook that counts the bytes the layer would save without checkpoint (parameters excluded, each
-storage once) and a dispatch mode that counts the bytes and times the ops selective saves. The floor call
+storage once, in the CUDA allocator's 512-byte blocks; held until the forward ends, as its recomputation in
+backward holds them) and a dispatch mode that counts the bytes, times and copies the results selective
+saves (a copy that differs at the end shows a result written into later). The floor call
 is timed too (CUDA events, read at planning). Device memory: the bytes held when the step starts and the
 peak through its backward (the peak counter is reset once, at the first step's start); held again when the
 second step starts (optimizer state now included). Everything per token: the plan is made for
