@@ -689,8 +689,9 @@ class MemoryPlanner:
             )
 
     def begin_step(self, tokens: int, device: torch.device) -> None:
-        """Call at the start of every training forward (``tokens``: the step's, padding included): starts the
-        measurement, makes the plan once the first step's backward ran, plans again for a larger step."""
+        """Call at the start of every training forward (``tokens``: the forward's, padding included): starts
+        the measurement, makes the plan at the first forward after a backward (the first step spans every
+        forward before it: their activations count in its peak), plans again for a larger forward."""
         tokens = int_arg("tokens", tokens, minimum=1)
         if not self._layers:
             return
@@ -698,7 +699,9 @@ class MemoryPlanner:
             if tokens > self.plan.tokens:
                 self._replan(tokens)
             return
-        if self._stage == _MEASURING and self._make_plan(tokens):
+        if self._stage == _MEASURING:
+            # no backward yet (several forwards before one), or nothing measured: the step goes on
+            self._make_plan(tokens)
             return
         memory = self._memory = self.memory(device)
         self.check_held(memory.allocated())
@@ -728,7 +731,7 @@ class MemoryPlanner:
         head = [float(held), above, float(-budget), float(not seen), float(-len(self._samples)), float(tokens)]
         agreed = _agree(head + row)
         held, above, budget = int(agreed[0]), agreed[1], int(-agreed[2])
-        if agreed[3] > 0 or agreed[4] == 0:  # a rank saw no backward, or no layer was measured: measure again
+        if agreed[3] > 0 or agreed[4] == 0:  # a rank saw no backward, or no layer was measured
             return False
         costs = []
         for n, i in enumerate(layers):

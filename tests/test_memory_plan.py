@@ -404,8 +404,8 @@ def test_apply_arguments():
 
 
 def test_only_training_steps_are_planned_and_revert():
-    """Evaluation, no-grad and generation forwards neither start a step nor checkpoint; a training forward
-    whose backward never ran is measured again; revert removes the planner."""
+    """Evaluation, no-grad and generation forwards neither start a step nor checkpoint; the first step spans
+    every training forward before its backward; revert removes the planner."""
     model = build(False)
     p = planner(1 << 40)
     ft_hf.apply(model, memory_budget=p)
@@ -419,10 +419,10 @@ def test_only_training_steps_are_planned_and_revert():
     with torch.no_grad():
         model(**row)
     assert p.memory_budget == 1 << 40 and p.device_memory.resets == 0  # no step started
-    model(**row)  # a training forward without backward
-    train(model, batches(1))  # measured again: the first step
-    assert p.device_memory.resets == 2 and ft_hf.memory_plan(model) is None
+    model(**row)  # a training forward without backward: the first step goes on
     train(model, batches(1))
+    assert p.device_memory.resets == 1 and ft_hf.memory_plan(model) is None
+    train(model, batches(1))  # the first forward after a backward makes the plan
     assert ft_hf.memory_plan(model) is p.plan and p.plan.counts()["keep"] == LAYERS
     ft_hf.revert(model)
     assert ft_hf.memory_planner(model) is None
