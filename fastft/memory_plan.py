@@ -600,7 +600,9 @@ class MemoryPlanner:
         self._samples: dict[int, _Sample] = {}
         self._memory = None
         self._static = self._tokens = 0
-        self._backward = None  # [seen] for the first measured layer's input, when it requires grad
+        self._backward = [False]  # whether the gradient of a measured forward's first layer input came
+        self._watching = False  # whether this forward's first layer input is watched
+        self._watched = False  # whether an earlier forward's was
         self._floor = (0, 0.0)  # (bytes held outside a step, bytes per token above them at a step's peak)
         self._budget_bytes = 0
         self.plan, self.costs = None, []
@@ -640,13 +642,13 @@ class MemoryPlanner:
         floor = RECOMPUTE
         if x is not None:
             floor = OFFLOAD if self._offloadable(x, config) else RECOMPUTE
+        if self._stage == _MEASURING and x is not None and not self._watching and x.requires_grad:
+            self._watching = True  # this forward's first layer input: its gradient shows that a backward ran
+            seen = self._backward
+            x.register_hook(lambda grad: seen.__setitem__(0, True))
         if self._stage != _MEASURING or x is None or layer in self._samples:
             return run_choice(floor, checkpoint, function, *args, offload_config=config, **kwargs)
         keep, (saved, saved_spans, skip), span = _measure(function, args, kwargs, module, self.clock, x.device)
-        if self._backward is None and x.requires_grad:
-            self._backward = [False]
-            seen = self._backward
-            x.register_hook(lambda grad: seen.__setitem__(0, True))
         token = self.clock.start(x.device, "forward")
         out = run_choice(floor, checkpoint, function, *args, offload_config=config, **kwargs)
         self._samples[layer] = _Sample(
@@ -700,13 +702,15 @@ class MemoryPlanner:
                 self._replan(tokens)
             return
         if self._stage == _MEASURING:
+            self._watched |= self._watching
+            self._watching = False
             # no backward yet (several forwards before one), or nothing measured: the step goes on
             self._make_plan(tokens)
             return
         memory = self._memory = self.memory(device)
         self.check_held(memory.allocated())
         self._samples.clear()
-        self._backward = None
+        self._backward, self._watching, self._watched = [False], False, False
         self._static, self._tokens = memory.allocated(), tokens
         memory.reset_peak()
         self._stage = _MEASURING
@@ -726,7 +730,7 @@ class MemoryPlanner:
             saved = sum(self.clock.seconds(span) for span in s.saved_spans)
             row += [s.keep / s.tokens, s.saved / s.tokens, s.input / s.tokens, float(s.offloadable)]
             row += [forward / s.tokens, saved / s.tokens, float(s.tokens)]
-        seen = self._backward is None or self._backward[0]
+        seen = self._backward[0] or not self._watched
         above = (peak - self._static) / self._tokens
         head = [float(held), above, float(-budget), float(not seen), float(-len(self._samples)), float(tokens)]
         agreed = _agree(head + row)
