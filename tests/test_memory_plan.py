@@ -7,6 +7,7 @@ holds and the first step's peak), a clock (``FakeClock``: fixed times, so that t
 same way every run) and ``offloadable`` (the floor offloads, as on a GPU; on CPU the offloaded checkpoint
 recomputes). The activation bytes are measured for real (saved-tensor hooks work on CPU)."""
 
+import gc
 import itertools
 import math
 
@@ -631,29 +632,31 @@ def close(got, want, grads_close):
 
 @pytest.mark.gpu
 def test_gpu_step_peaks_within_the_budget(monkeypatch, grads_close):
-    """A budget halfway between full recompute and keeping everything: a mixed plan, and every planned step's
-    allocated peak within the budget; losses and gradients those of full recompute."""
+    """A budget halfway between full recompute and keeping everything: a plan between the two, and every
+    planned step's allocated peak within the budget; losses and gradients those of full recompute."""
     monkeypatch.setenv("FASTFT_OFFLOAD_MIN_BYTES", "0")  # the tiny layers' inputs are offloaded too: the floor
-    rows = gpu_rows(6)
-    want = train(ft_hf.apply(gpu_model()), rows[:1])
-    probe = MemoryPlanner(1 << 50)
-    model = ft_hf.apply(gpu_model(), memory_budget=probe)
-    train(model, rows[:2])
-    keep = sum(c.bytes_for(mp.KEEP, 2048) - c.bytes_for(c.floor, 2048) for c in probe.costs)
-    budget = probe.plan.floor_peak + keep // 2
-    del model
+    rows = gpu_rows(8)
+    want = train(ft_hf.apply(gpu_model()), rows)
+    gc.collect()
     torch.cuda.empty_cache()
     model = gpu_model()
-    p = MemoryPlanner(budget)
-    ft_hf.apply(model, memory_budget=p)
-    got = train(model, rows[:2])
-    assert 0 < p.plan.counts()["keep"] < len(probe.costs) and p.plan.peak <= budget, str(p.plan)
-    for row in rows[2:]:
+    probe = MemoryPlanner(1 << 50)
+    ft_hf.apply(model, memory_budget=probe)
+    got = train(model, rows[:3])
+    keep = sum(c.bytes_for(mp.KEEP, 2048) - c.bytes_for(c.floor, 2048) for c in probe.costs)
+    budget = probe.plan.floor_peak + keep // 2
+    p = ft_hf.use_memory_plan(model, MemoryPlanner(budget))  # measured again, on the same model
+    got += train(model, rows[3:5])
+    assert p.plan.counts()["keep"] < len(probe.costs) and p.plan.seconds < p.plan.floor_seconds, str(p.plan)
+    assert p.plan.peak <= budget
+    for row in rows[5:]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        train(model, [row])
+        got += train(model, [row])
         assert torch.cuda.max_memory_allocated() <= budget, (torch.cuda.max_memory_allocated(), str(p.plan))
-    close(got[:1], want, grads_close)
+    close(got[:1], want[:1], grads_close)  # the first step, measured
+    for (loss, _), (loss2, _) in zip(got, want):  # (the SGD steps' rounding differs a little from there)
+        torch.testing.assert_close(loss, loss2, atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.gpu
@@ -692,10 +695,12 @@ def test_gpu_compositions(extra, tmp_path, monkeypatch, grads_close):
             return peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear"))
         model = gpu_model()
         if extra == "liger":
-            pytest.importorskip("liger_kernel")
-            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+            liger = pytest.importorskip("liger_kernel.transformers")
+            from transformers.models.llama import modeling_llama
 
-            _apply_liger_kernel_to_instance(model=ft_hf.hf_model(model))
+            for name, value in list(vars(modeling_llama).items()):  # Liger patches the module: put it back after
+                monkeypatch.setattr(modeling_llama, name, value)
+            liger.apply_liger_kernel_to_llama(model=ft_hf.hf_model(model))
         return model
 
     graphs = extra == "graphs"
