@@ -17,6 +17,9 @@ One concern per module, each recording its own undo in the model's ``ModelState`
   LFM2's short convolutions, a ``ValueError`` for any other (``check_packing``, ``packing_blockers``).
 - ``checkpointing``: ``enable_gradient_checkpointing`` (``fastft.offloaded_checkpoint`` as the checkpoint
   function, kept when ``Trainer``/TRL/PEFT call ``gradient_checkpointing_enable`` again).
+- ``memory``: ``use_memory_plan(model, memory_budget)``: per checkpointed layer keep, selective, recompute
+  or offload, planned from the first step's measurements to fit the budget in the least time
+  (``fastft.memory_plan``); ``memory_plan(model)`` the plan in force.
 - LoRA: PEFT LoRA linear layers through ``fastft.lora.lora_linear`` (``fastft.integrations.peft``).
 
 transformers (5.x; tested with 5.17) is imported only by the functions here.
@@ -26,7 +29,8 @@ from __future__ import annotations
 
 import functools
 
-from ..._checks import bool_arg
+from ..._checks import bool_arg, int_arg
+from ...memory_plan import MemoryPlanner, check_memory_budget
 from .. import liger
 from .. import peft as ft_peft
 from ..models import ModelState as ModelState
@@ -46,6 +50,7 @@ from .experts import ExpertShard as ExpertShard
 from .experts import experts_forward as experts_forward
 from .experts import register as register
 from .experts import use_moe
+from .memory import memory_plan, memory_planner, use_memory_plan
 from .mixers import check_packing, packing_blockers
 
 # The user verbs; the names re-exported "as" themselves above stay importable from here, as in 0.2.
@@ -55,6 +60,9 @@ __all__ = [
     "use_packed_attention",
     "use_moe",
     "enable_gradient_checkpointing",
+    "use_memory_plan",
+    "memory_plan",
+    "memory_planner",
     "use_expert_parallel",
     "expert_parameters",
     "hf_model",
@@ -73,6 +81,8 @@ def apply(
     moe: bool = True,
     lora: bool = True,
     graphs: bool | str = False,
+    memory_budget=None,
+    max_tokens: int | None = None,
 ):
     """fastft for a transformers model (or a PEFT model around one), in place; returns the model.
     ``packing``: ``use_packed_attention``; ``offload_checkpointing``: gradient checkpointing through
@@ -81,14 +91,30 @@ def apply(
     ``lora``: ``fastft.integrations.peft.use_lora`` when it has PEFT LoRA layers (so call ``apply`` after
     ``peft.get_peft_model``); ``graphs``: each checkpointed layer replayed as CUDA graphs
     (``fastft.graphs.graphed_checkpoint``; needs ``offload_checkpointing``), ``"auto"``: only the layers
-    whose eager forward is launch-bound (its ``policy="auto"``). ``revert(model)`` undoes it. ``TypeError``
-    for anything but a transformers model, an option that is not a bool, or ``graphs`` not True, False or
-    ``"auto"``."""
+    whose eager forward is launch-bound (its ``policy="auto"``); ``memory_budget``: None (every checkpointed
+    layer recomputes, its input offloaded), or the memory a step may use: bytes (an int), a fraction of the
+    GPU in (0, 1], or ``"auto"`` (what the GPU has free less a margin): each checkpointed layer then keeps,
+    selectively checkpoints, recomputes or offloads, planned from the first step's measurements for steps of
+    up to ``max_tokens`` tokens (``use_memory_plan``, docs/memory.md; needs ``offload_checkpointing``).
+    ``revert(model)`` undoes it. ``TypeError`` for anything but a transformers model, an option that is not a
+    bool, or ``graphs`` not True, False or ``"auto"``; ``TypeError``/``ValueError`` for a bad
+    ``memory_budget`` or ``max_tokens``."""
     transformers_model(model)
     versions.check_version()
     for name, value in dict(packing=packing, offload_checkpointing=offload_checkpointing, moe=moe, lora=lora).items():
         bool_arg(name, value)
     graphs_arg(graphs)
+    if memory_budget is not None:
+        if not isinstance(memory_budget, MemoryPlanner):
+            check_memory_budget(memory_budget)
+        elif max_tokens is not None:
+            raise ValueError("give max_tokens to the MemoryPlanner, not beside it")
+        if not offload_checkpointing:
+            raise ValueError("memory_budget needs offload_checkpointing=True: the plan is fastft's checkpointing")
+    if max_tokens is not None:
+        if memory_budget is None:
+            raise ValueError("max_tokens sizes the memory plan: give memory_budget too")
+        int_arg("max_tokens", max_tokens, minimum=1)
     if graphs and not offload_checkpointing:
         raise ValueError(
             f"graphs={graphs!r} needs offload_checkpointing=True: the graphs are replayed by fastft's checkpoint"
@@ -107,6 +133,8 @@ def apply(
             state.add("lora", None, functools.partial(ft_peft.revert_lora, inner))
     if offload_checkpointing:
         enable_gradient_checkpointing(model, graphs=graphs)
+    if memory_budget is not None:
+        use_memory_plan(model, memory_budget, max_tokens=max_tokens)
     lifecycle.watch(model)  # fastft serves training and packed forwards; the model's own code the others
     return model
 

@@ -11,7 +11,7 @@ import warnings
 from ...graphs import graphed_checkpoint
 from ...offload import OffloadConfig, check_offload_config, gradient_checkpointing_func, offloaded_checkpoint
 from ..models import model_state, transformers_model
-from . import lifecycle, versions
+from . import lifecycle, memory, versions
 
 
 def graphs_arg(graphs) -> bool | str:
@@ -72,7 +72,7 @@ def enable_gradient_checkpointing(
         before = [(m, m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func")) for m in _layers(inner)]
         had_input_grads = bool(getattr(inner, "_require_grads_hooks", None))
         state.add("checkpointing", {}, functools.partial(_restore, inner, before, had_input_grads))
-    state.records["checkpointing"].update(func=func, graphs=graphs)
+    state.records["checkpointing"].update(func=func, graphs=graphs, config=config or OffloadConfig(**config_fields))
     for name, method in SPELLINGS.items():
         if hasattr(type(inner), name):
             setattr(inner, name, types.MethodType(method, inner))
@@ -103,10 +103,11 @@ def _checkpointing_enable(self, checkpointing_kwargs=None, every_n_layers: int =
     if getattr(self, "_require_grads_hooks", None):  # transformers would register its input-grad hooks again
         self.disable_input_require_grads()
     versions.enable_checkpointing(self, every_n_layers)
-    func = model_state(self).records["checkpointing"]["func"]
-    if options:
-        func = functools.partial(func, **options)
+    record = model_state(self).records["checkpointing"]
+    record["options"] = options
+    func = functools.partial(record["func"], **options) if options else record["func"]
     self._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=func, every_n_layers=every_n_layers)
+    memory.install(self)  # with a memory plan: each checkpointed layer's function from its planner
 
 
 def _gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, every_n_layers: int = 1, offload=False):
