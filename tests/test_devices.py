@@ -259,11 +259,14 @@ def test_model_split_over_two_gpus_trains_as_on_one(family, lora, graphed, tmp_p
     from fastft.testing import tiny_hf_model
 
     monkeypatch.setenv("FASTFT_OFFLOAD_MIN_BYTES", "0")  # the tiny layers' inputs are offloaded too
+    # bf16 experts run torch._grouped_mm; fp32 ones its fallback, which syncs the host: no graph captures it
+    dtype = torch.bfloat16 if family == "qwen3_moe" else torch.float32
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-4)
     path = str(tmp_path / "model")
     tiny_hf_model(family, num_hidden_layers=4).save_pretrained(path)
 
     def build(device_map):
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map=device_map)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
         if lora:
             import peft
 
@@ -289,10 +292,10 @@ def test_model_split_over_two_gpus_trains_as_on_one(family, lora, graphed, tmp_p
     if graphed:
         assert graphs.capture_count() > captures
     for (loss, grads), (loss_want, grads_want) in zip(got, want):
-        torch.testing.assert_close(loss, loss_want, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(loss, loss_want, **tol)
         assert grads.keys() == grads_want.keys() and grads
         for name, grad in grads_want.items():
-            torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+            torch.testing.assert_close(grads[name], grad, **tol, msg=name)
 
 
 @contextlib.contextmanager

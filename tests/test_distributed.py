@@ -316,7 +316,7 @@ def test_two_nodes_under_torchrun(tmp_path):
         if BACKEND == "gloo":
             env["FASTFT_BACKEND"] = "torch"
         else:  # one GPU per "node"; they reach each other through host memory, as no P2P crosses nodes
-            env.update(CUDA_VISIBLE_DEVICES=str(node), NCCL_P2P_DISABLE="1")
+            env.update(CUDA_VISIBLE_DEVICES=str(node), NCCL_P2P_DISABLE="1", FASTFT_OFFLOAD_MIN_BYTES="0")
         command = [
             sys.executable,
             "-m",

@@ -550,11 +550,13 @@ def distributed_worker(rank, world, init, out):
             if wrap.startswith("ddp"):
                 wrapped = torch.nn.parallel.DistributedDataParallel(model, static_graph=wrap == "ddp static")
             else:
+                from torch.distributed.device_mesh import init_device_mesh
                 from torch.distributed.fsdp import fully_shard
 
+                mesh = init_device_mesh("cpu", (world,))  # gloo on CPU tensors, also where a GPU is present
                 for layer in ft_hf.decoder_layers(model):
-                    fully_shard(layer)
-                wrapped = fully_shard(model)
+                    fully_shard(layer, mesh=mesh)
+                wrapped = fully_shard(model, mesh=mesh)
             got = []
             for row in batches(3):  # every rank the same rows: the gradients are one process's
                 model.zero_grad(set_to_none=True)
