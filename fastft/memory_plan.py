@@ -75,18 +75,12 @@ __all__ = [
     "RECOMPUTE",
     "OFFLOAD",
     "CHOICES",
-    "LayerCost",
-    "LayerChoice",
-    "MemoryPlan",
     "MemoryPlanner",
-    "CudaMemory",
-    "Clock",
+    "MemoryPlan",
+    "LayerChoice",
+    "LayerCost",
     "plan_memory",
     "check_memory_budget",
-    "allocated_bytes",
-    "saved_by_selective",
-    "selective_context",
-    "run_choice",
 ]
 
 KEEP, SELECTIVE, RECOMPUTE, OFFLOAD = "keep", "selective", "recompute", "offload"
