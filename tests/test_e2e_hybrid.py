@@ -51,6 +51,11 @@ def test_hybrid_models_in_the_table():
         assert stacks.leaks("stock sdpa", name) and stacks.leaks("naive glue", name)
         assert not (stacks.leaks("stock sdpa, padded", name) or stacks.leaks("fastft", name))
         assert stacks.why_not_on("stock sdpa, fla", name) is None
+        # transformers refuses flex_attention for these classes: the flex columns are not run on them
+        config = models.model_config(name, tiny=True)
+        assert not transformers.AutoModelForCausalLM._model_mapping[type(config)]._supports_flex_attn
+        assert stacks.why_not_on("stock flex", name) and stacks.why_not_on("liger + stock flex", name)
+    assert stacks.why_not_on("stock flex", "Qwen3-0.6B") is None
     assert models.is_moe("Qwen3.5-MoE") and not models.is_moe("Qwen3.5")
     assert not models.has_mixers("Qwen3-0.6B") and stacks.leaks("stock sdpa", "Qwen3-0.6B") is None
     assert stacks.why_not_on("stock sdpa, fla", "Qwen3-0.6B") == "needs a model with linear-attention layers"

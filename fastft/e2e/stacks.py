@@ -374,6 +374,8 @@ def why_not_on(column: str, name: str) -> str | None:
         return "needs a MoE model"
     if c.mixers_only and not has_mixers(name):
         return "needs a model with linear-attention layers"
+    if "flex" in column and has_mixers(name):
+        return "transformers offers no flex_attention for its hybrid families"
     if "liger-kernel" in c.needs and MODELS[name][0] not in LIGER_FAMILIES:
         return f"needs a model whose family fastft's bench patches with Liger-Kernel ({', '.join(LIGER_FAMILIES)})"
     return None
