@@ -3,6 +3,7 @@ without it (every family ``apply`` takes, hybrids included; eval and train mode;
 and a left-padded batch), and still trains on packed rows in between."""
 
 import copy
+import types
 
 import pytest
 import torch
@@ -124,6 +125,17 @@ def test_forward_kinds():
     stack.eval()
     assert lifecycle.classify(stack, {"position_ids": pos}) == lifecycle.PACKED
     assert lifecycle.classify(stack, {"input_ids": pos}) == lifecycle.STOCK
+    # a forward that builds a cache (use_cache, given or the config's) on rows of one document each is
+    # generate's first step; on rows of several documents the cache could not be continued: packed
+    one = torch.arange(5)[None]
+    two = torch.tensor([[0, 1, 2, 0, 1]])
+    assert lifecycle.classify(stack, {"position_ids": one, "use_cache": True}) == lifecycle.STOCK
+    assert lifecycle.classify(stack, {"position_ids": one, "use_cache": False}) == lifecycle.PACKED
+    assert lifecycle.classify(stack, {"position_ids": two, "use_cache": True}) == lifecycle.PACKED
+    assert lifecycle.classify(stack, {"cu_seq_lens_q": one[0], "use_cache": True}) == lifecycle.PACKED
+    stack.config = types.SimpleNamespace(use_cache=True)
+    assert lifecycle.classify(stack, {"position_ids": one}) == lifecycle.STOCK
+    assert lifecycle.classify(stack, {"position_ids": two}) == lifecycle.PACKED
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])

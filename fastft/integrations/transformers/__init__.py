@@ -30,7 +30,8 @@ from __future__ import annotations
 import functools
 
 from ..._checks import bool_arg, int_arg
-from ...memory_plan import MemoryPlanner, check_memory_budget
+from ...memory_plan import check_memory_budget
+from ...memory_planner import MemoryPlanner
 from .. import liger
 from .. import peft as ft_peft
 from ..models import ModelState as ModelState

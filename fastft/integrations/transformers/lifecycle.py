@@ -7,8 +7,9 @@ A forward of the decoder stack is one of three kinds (``forward_kind``):
 - ``PACKED``: no grad or eval mode, no KV cache and no padding mask, documents given by ``position_ids`` (or
   the collator's ``cu_seq_lens_q``): a padding-free evaluation batch, or a policy's log-probabilities under
   ``no_grad``. fastft's packed attention and mixers keep the documents apart (the model's own may not); no
-  layer is checkpointed (no backward will replay it).
-- ``STOCK``: any other forward: ``generate`` (a KV cache), evaluation or inference on plain or padded rows.
+  layer is checkpointed (no backward will replay it), and a model with recurrent mixers builds no cache.
+- ``STOCK``: any other forward: ``generate`` (a KV cache, or the first step that builds one: ``use_cache``
+  on rows that are one document each), evaluation or inference on plain or padded rows.
   The model runs as it would without ``apply``: the attention and experts implementations it had, PEFT's
   LoRA forward, Liger's experts, no checkpoint (transformers 5.17 drops the cache of a checkpointed layer
   in train mode). Its logits and tokens are the model's without ``apply``.
@@ -46,9 +47,24 @@ def classify(stack: torch.nn.Module, kwargs: dict) -> str:
         return TRAIN
     if kwargs.get("attention_mask") is not None:
         return STOCK
-    if kwargs.get("position_ids") is None and kwargs.get("cu_seq_lens_q") is None:
+    position_ids = kwargs.get("position_ids")
+    if kwargs.get("cu_seq_lens_q") is not None:
+        return PACKED
+    if position_ids is None:
         return STOCK
+    if _builds_cache(stack, kwargs) and _one_document_per_row(position_ids):
+        return STOCK  # generate's first step: the cache the next steps continue from is the model's own
     return PACKED
+
+
+def _builds_cache(stack: torch.nn.Module, kwargs: dict) -> bool:
+    use_cache = kwargs.get("use_cache")
+    return bool(getattr(getattr(stack, "config", None), "use_cache", False) if use_cache is None else use_cache)
+
+
+def _one_document_per_row(position_ids: torch.Tensor) -> bool:
+    """Positions that only rise along each row (one host sync, taken only where a cache would be built)."""
+    return bool((position_ids[..., 1:] > position_ids[..., :-1]).all())
 
 
 def forward_kind(stack: torch.nn.Module) -> str:

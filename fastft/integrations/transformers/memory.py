@@ -1,5 +1,5 @@
 """Memory plan for a transformers model: each checkpointed decoder layer keeps, selectively checkpoints,
-recomputes or offloads, as ``fastft.memory_plan.MemoryPlanner`` chooses from the first training step's
+recomputes or offloads, as ``fastft.memory_planner.MemoryPlanner`` chooses from the first training step's
 measurements to fit a memory budget in the least time (``apply(model, memory_budget=...)``).
 
 - Which layers: those transformers checkpoints (``gradient_checkpointing_enable``'s ``every_n_layers``, e.g.
@@ -22,7 +22,8 @@ import weakref
 
 import torch
 
-from ...memory_plan import CHOICES, SELECTIVE, MemoryPlan, MemoryPlanner
+from ...memory_plan import CHOICES, SELECTIVE, MemoryPlan
+from ...memory_planner import MemoryPlanner
 from ..models import decoder_layers, decoder_stack, model_state, transformers_model
 from . import lifecycle
 

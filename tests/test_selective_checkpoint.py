@@ -1,0 +1,77 @@
+"""fastft.selective_checkpoint: which ops selective checkpointing saves, and a checkpoint with its context
+computes what the layer without checkpoint does, running the saved ops once."""
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fastft.selective_checkpoint as sc
+
+
+def test_saved_ops():
+    mm, addmm_, add_ = torch.ops.aten.mm.default, torch.ops.aten.addmm_.default, torch.ops.aten.add_.Tensor
+    x, w, thin = torch.empty(10, 64), torch.empty(64, 32), torch.empty(10, 4)
+    assert sc.saved_by_selective(mm, (x, w))
+    assert not sc.saved_by_selective(mm, (thin, torch.empty(4, 64)))  # LoRA's up projection: 4 < 64 / 8
+    assert sc.saved_by_selective(mm, (thin, torch.empty(4, 32)))
+    assert sc.saved_by_selective(addmm_, (torch.empty(10, 32), x, w))  # an in-place GEMM
+    assert not sc.saved_by_selective(add_, (x, x))  # any other in-place op
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.empty(1, 2, 8, 16)
+    assert sc.saved_by_selective(flash, (q, q, q))
+    assert not sc.saved_by_selective(flash, (q, q, q, 0.1))  # dropout: recomputed with its random numbers
+    assert not sc.saved_by_selective(flash, (q, q, q), {"dropout_p": 0.1})
+
+
+def layer(x, w1, w2):
+    return (torch.relu(x @ w1) @ w2).sin()  # both GEMMs' results are needed in backward
+
+
+def test_selective_checkpoint_equals_no_checkpoint(rng):
+    x, w1, w2 = (torch.randn(*shape, generator=rng, requires_grad=True) for shape in ((6, 32), (32, 64), (64, 32)))
+    want = layer(x, w1, w2)
+    want_grads = torch.autograd.grad(want.square().sum(), (x, w1, w2))
+    mms = {}
+    for name, context in (("full", None), ("selective", sc.selective_context)):
+        extra = {} if context is None else {"context_fn": context}
+        got = torch.utils.checkpoint.checkpoint(layer, x, w1, w2, use_reentrant=False, **extra)
+        with CountMatmuls() as counter:
+            grads = torch.autograd.grad(got.square().sum(), (x, w1, w2))
+        mms[name] = counter.count
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert mms["selective"] == mms["full"] - 2  # the forward's two GEMMs are not run again
+
+
+class CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.mm.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_saved_result_written_into_later_is_an_error(rng):
+    def writes_into_its_gemm(x, w):
+        y = x @ w
+        y.mul_(2)  # the saved result of the GEMM, changed after it was saved
+        return y.sin()
+
+    x, w = torch.randn(4, 16, generator=rng), torch.randn(16, 16, generator=rng, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(
+        writes_into_its_gemm, x, w, use_reentrant=False, context_fn=sc.selective_context
+    )
+    with pytest.raises(RuntimeError, match="modified in place after it was saved"):
+        out.sum().backward()
+    # named in skip, it is recomputed instead: the gradient of the layer without checkpoint
+    skip = frozenset({(torch.ops.aten.mm.default, 0)})
+    out = torch.utils.checkpoint.checkpoint(
+        writes_into_its_gemm, x, w, use_reentrant=False, context_fn=lambda: sc.selective_context(skip)
+    )
+    (got,) = torch.autograd.grad(out.sum(), (w,))
+    (want,) = torch.autograd.grad(writes_into_its_gemm(x, w).sum(), (w,))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
