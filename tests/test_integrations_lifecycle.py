@@ -35,6 +35,22 @@ def generate(model, inputs, sampling: bool, seed: int):
     )
 
 
+def outcome(model, inputs, sampling: bool, seed: int):
+    """The tokens ``generate`` gives, or the error it raises as (type, message): where the model's own code
+    raises (transformers 5.24's SDPA decode of a GQA model with a mask on CUDA), the model after ``apply``
+    raises the same."""
+    try:
+        return generate(model, inputs, sampling, seed)
+    except Exception as e:  # noqa: BLE001 - compared with the model's own below
+        return type(e), str(e)
+
+
+def same(got, want) -> bool:
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and torch.equal(got, want)
+    return got == want
+
+
 def packed_step(model, rng, device):
     """One training step's loss and gradients on a packed row of three documents."""
     lengths = (4, 7, 3)
@@ -58,9 +74,9 @@ def test_generate_after_apply_gives_the_models_tokens(model_type, rng, device):
         model.train(mode == "train")
         for name, inputs in prompts(rng, reference.config.vocab_size, device).items():
             for sampling in (False, True):
-                want = generate(reference, inputs, sampling, seed)
-                got = generate(model, inputs, sampling, seed)
-                assert torch.equal(got, want), f"{model_type}, {mode} mode, {name}, sampling={sampling}"
+                want = outcome(reference, inputs, sampling, seed)
+                got = outcome(model, inputs, sampling, seed)
+                assert same(got, want), f"{model_type}, {mode} mode, {name}, sampling={sampling}: {got} != {want}"
     # nothing was left switched: the next training step is fastft's (packed attention, its checkpoint)
     assert lifecycle.KIND not in model.model.__dict__
     assert all(m.gradient_checkpointing for m in model.modules() if hasattr(m, "_gradient_checkpointing_func"))

@@ -25,12 +25,18 @@ class Row:
 
 
 def time_ms(fn, device: torch.device, *, rep_ms: int = 200) -> float:
-    """Median milliseconds of ``fn()``: CUDA events via ``triton.testing.do_bench`` on a GPU, wall clock on CPU."""
+    """Median milliseconds of ``fn()``: CUDA events via ``triton.testing.do_bench`` on a GPU; on CPU the wall clock
+    of the calls after the first that fit in ``rep_ms``, or of the first alone where it takes longer than that
+    (the interpreter's calls take seconds)."""
     if device.type == "cuda":
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+    t0 = time.perf_counter()
     fn()
+    first = (time.perf_counter() - t0) * 1000
+    if first > rep_ms:
+        return first
     times = []
     deadline = time.perf_counter() + rep_ms / 1000
     while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 100):
