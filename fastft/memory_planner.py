@@ -129,6 +129,7 @@ class MemoryPlanner:
             self._layers.clear()
         self._stage = _NEW
         self._samples: dict[int, LayerSample] = {}
+        self._device = None  # the device of the measured step
         self._memory = None
         self._static = self._tokens = 0
         self._backward = [False]  # whether the gradient of a measured forward's first layer input came
@@ -239,6 +240,7 @@ class MemoryPlanner:
             self._make_plan(tokens)
             return
         memory = self._memory = self.memory(device)
+        self._device = device
         self.check_held(memory.allocated())
         self._samples.clear()
         self._backward, self._watching, self._watched = [False], False, False
@@ -264,7 +266,7 @@ class MemoryPlanner:
         seen = self._backward[0] or not self._watched
         above = (peak - self._static) / self._tokens
         head = [float(held), above, float(-budget), float(not seen), float(-len(self._samples)), float(tokens)]
-        agreed = _agree(head + row)
+        agreed = _agree(head + row, self._device)
         held, above, budget = int(agreed[0]), agreed[1], int(-agreed[2])
         if agreed[3] > 0 or agreed[4] == 0:  # a rank saw no backward, or no layer was measured
             return False
@@ -369,13 +371,15 @@ def _fastest_of_kind(costs: list, kinds: dict) -> list:
     return out
 
 
-def _agree(values: list) -> list:
-    """``values`` as every rank's largest (``torch.distributed`` initialized with several ranks), else as is."""
+def _agree(values: list, device: torch.device) -> list:
+    """``values`` as every rank's largest (``torch.distributed`` initialized with several ranks), else as is;
+    under NCCL reduced on ``device``, the one the model trains on (not the current device)."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
         return values
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
+    if dist.get_backend() != "nccl":
+        device = torch.device("cpu")
+    elif device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

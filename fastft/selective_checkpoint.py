@@ -72,14 +72,9 @@ class _Selective(TorchDispatchMode):
         super().__init__()
         self.store, self.replay, self.skip = store, replay, skip
         self.counts: dict = {}
-        self.pending: list = []  # kept results whose versions are read at the next op (autograd bumps an
-        # in-place op's version after this mode returns)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        while self.pending:
-            tensors = self.pending.pop()
-            tensors[:] = [(t, t._version) for t, _ in tensors]
         if not saved_by_selective(func, args, kwargs):
             return func(*args, **kwargs)
         key = (func, self.counts.get(func, 0))
@@ -88,15 +83,16 @@ class _Selective(TorchDispatchMode):
             return func(*args, **kwargs)
         if not self.replay:
             out = func(*args, **kwargs)
-            tensors = [(t, None) for t in op_results(out)]  # t itself: a detach here shares no version counter
-            self.store[key] = tensors, out
-            self.pending.append(tensors)
+            # each result and its version once the op is done (autograd bumps an in-place op's after this mode
+            # returns); t itself, not a detach, which here would share no version counter
+            bump = int(func._schema.name in _IN_PLACE)
+            self.store[key] = [(t, t._version + bump) for t in op_results(out)], out
             return out
         kept = self.store.pop(key, None)
         if kept is None:  # recomputed a second time (backward with retain_graph): run it
             return func(*args, **kwargs)
         tensors, out = kept
-        if any(v is not None and t._version != v for t, v in tensors):
+        if any(t._version != v for t, v in tensors):
             raise RuntimeError(
                 f"fastft selective checkpointing: the result of {func} was modified in place after it was saved"
             )

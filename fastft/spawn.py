@@ -41,8 +41,16 @@ def run(fn, args=(), *, world: int, backend: str, timeout: float, collective_tim
     (``"gloo"``, or ``"nccl"`` on ``cuda:r``); returns once every rank returned. ``fn`` and ``args`` must
     pickle (a module-level function). Raises ``RuntimeError`` with the traceback of a rank that raised (the
     others stopped), ``TimeoutError`` when the ranks are still running after ``timeout`` seconds (all killed).
-    ``ValueError`` for a ``world`` < 1, a ``backend`` other than those two, or NCCL with fewer GPUs."""
+    ``ValueError`` for a ``world`` < 1, a ``backend`` other than those two, NCCL with fewer GPUs, or a
+    ``timeout`` / ``collective_timeout`` that is not a positive number of seconds (checked before any rank
+    starts)."""
+    import math
+
     import torch.multiprocessing as mp
+
+    for name, value in (("timeout", timeout), ("collective_timeout", collective_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
 
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be an int >= 1, got {world!r}")

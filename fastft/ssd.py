@@ -145,7 +145,7 @@ def packed_ssd_scan(
         return x.new_zeros(x.shape)
     table = chunk_table(info, chunk_size)
     with torch.autocast(x.device.type, enabled=False):
-        step = discretize(dt.reshape(b * t, h), dt_bias, dt_softplus, dt_limit)
+        step = discretize(dt.reshape(b * t, h), dt_bias, dt_softplus, dt_limit).float()
         xf = x.reshape(b * t, h, p).float()  # cast once: x's gradient is summed in fp32, rounded once
         y = _chunked(xf, step, A, B, C, table, chosen)  # [N, H, P]
         if D is not None:

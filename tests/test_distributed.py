@@ -265,6 +265,36 @@ def test_fsdp2_must_leave_the_experts_to_expert_parallelism(monkeypatch):
     spawn.run(unignored_worker, world=WORLD, backend=BACKEND, timeout=TIMEOUT)
 
 
+def generate_worker(rank, out):
+    """A model under fastft's expert parallelism generates (greedy, with its cache, in eval and train mode) the
+    tokens of the model before ``apply``, which holds every expert."""
+    import copy
+
+    import fastft.integrations.transformers as ft_hf
+    from fastft.testing import tiny_hf_model
+
+    reference = tiny_hf_model("qwen3_moe", num_experts=EXPERTS, device=device())
+    model = ft_hf.use_expert_parallel(ft_hf.apply(copy.deepcopy(reference)))
+    ids = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(rank)).to(device())
+    results = {}
+    for mode in (False, True):
+        for m in (reference, model):
+            m.train(mode)
+        kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True)
+        results[mode] = (model.generate(input_ids=ids, **kw).cpu(), reference.generate(input_ids=ids, **kw).cpu())
+    torch.save(results, f"{out}.{rank}")
+
+
+def test_expert_parallel_model_generates(tmp_path, monkeypatch):
+    if BACKEND == "gloo":
+        monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    out = str(tmp_path / "out")
+    spawn.run(generate_worker, (out,), world=WORLD, backend=BACKEND, timeout=TIMEOUT)
+    for rank in range(WORLD):
+        for mode, (got, want) in torch.load(f"{out}.{rank}").items():
+            assert torch.equal(got, want), f"rank {rank}, train mode {mode}: {got} != {want}"
+
+
 def test_shard_errors(tmp_path):
     from fastft.integrations.fsdp import shard
 

@@ -282,8 +282,14 @@ def test_budget_below_full_recompute():
     train(model, rows[:1])  # the first step runs at the floor, measured
     with pytest.raises(ValueError, match=r"memory_budget=59999 \(58\.59 KiB\) is below what full recompute needs"):
         train(model, rows[1:])
+    refused = build(False)
+    hooks = dict(refused.model._forward_pre_hooks), dict(refused.model._forward_hooks)
     with pytest.raises(ValueError, match="is not above the 9.77 KiB the model already holds"):
-        ft_hf.apply(build(False), memory_budget=planner(HELD))  # before the first step
+        ft_hf.apply(refused, memory_budget=planner(HELD))  # before the first step
+    # refused part way: the model is as it was (apply undid what it had changed)
+    assert refused.config._attn_implementation == "sdpa" and "_fastft_state" not in refused.__dict__
+    assert (dict(refused.model._forward_pre_hooks), dict(refused.model._forward_hooks)) == hooks
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in refused.modules())
     model = build(False)
     ft_hf.apply(model, memory_budget=planner(HELD + ABOVE))  # the floor fits at TOKENS, not at twice as many
     train(model, batches(2))

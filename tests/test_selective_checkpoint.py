@@ -48,10 +48,11 @@ def test_selective_checkpoint_equals_no_checkpoint(rng):
 class CountMatmuls(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.count = self.addmm = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += func is torch.ops.aten.mm.default
+        self.addmm += func is torch.ops.aten.addmm_.default
         return func(*args, **(kwargs or {}))
 
 
@@ -75,3 +76,31 @@ def test_saved_result_written_into_later_is_an_error(rng):
     (got,) = torch.autograd.grad(out.sum(), (w,))
     (want,) = torch.autograd.grad(writes_into_its_gemm(x, w).sum(), (w,))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_last_op_result_written_into_after_the_checkpoint_is_an_error(rng):
+    """The saved op is the region's last (attention, whose backward reads its output): its result, the
+    checkpoint's output, written into afterwards."""
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=rng, requires_grad=True) for _ in range(3))
+    attention = torch.nn.functional.scaled_dot_product_attention
+    out = torch.utils.checkpoint.checkpoint(attention, q, k, v, use_reentrant=False, context_fn=sc.selective_context)
+    out.mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place after it was saved"):
+        out.sum().backward()
+
+
+def test_in_place_gemm_is_saved_and_exact(rng):
+    def layer(x, w, b):
+        y = b.expand(x.shape[0], -1).clone()
+        y.addmm_(x, w)  # an in-place GEMM: its result is written back into y in the recomputation
+        return y.sin()
+
+    x = torch.randn(4, 16, generator=rng)
+    w, b = torch.randn(16, 16, generator=rng, requires_grad=True), torch.randn(16, generator=rng, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(layer, x, w, b, use_reentrant=False, context_fn=sc.selective_context)
+    with CountMatmuls() as counter:
+        got = torch.autograd.grad(out.sum(), (w, b))
+    want = torch.autograd.grad(layer(x, w, b).sum(), (w, b))
+    for g, v in zip(got, want):
+        torch.testing.assert_close(g, v, rtol=0, atol=0)
+    assert counter.addmm == 0  # not run again in the recomputation

@@ -61,3 +61,8 @@ def test_run_checks_its_arguments():
     if torch.cuda.device_count() < 64:
         with pytest.raises(ValueError, match="64 NCCL ranks need 64 GPUs"):
             spawn.run(failing_worker, world=64, backend="nccl", timeout=1)
+    for bad in (None, 0, -1.0, float("nan"), float("inf"), True, "5"):
+        with pytest.raises(ValueError, match="timeout must be a positive finite number of seconds"):
+            spawn.run(failing_worker, world=1, backend="gloo", timeout=bad)
+    with pytest.raises(ValueError, match="collective_timeout must be a positive finite number"):
+        spawn.run(failing_worker, world=1, backend="gloo", timeout=5, collective_timeout=0)

@@ -144,6 +144,20 @@ def test_bf16_inputs_and_autocast(device, rng, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("wide", [(1,), (0, 1, 2, 3, 4, 5, 6, 7)])
+def test_fp64_inputs(device, rng, backend, wide):
+    """fp64 dt alone, or every input fp64: the math in fp32, y in x's dtype, every gradient through."""
+    info = fastft.packed_seq_info(seq_lengths=[5, 11], device=device)
+    inputs = [
+        v.detach().double() if i in wide else v.detach()
+        for i, v in enumerate(random_inputs(rng, 1, 16, 2, 4, 1, 4, device))
+    ]
+    for v in inputs:
+        v.requires_grad_()
+    check_against_reference(info, inputs, 4, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_works_under_checkpoint(device, rng, backend):
     info = fastft.packed_seq_info(seq_lengths=[6, 10], device=device)
     inputs = random_inputs(rng, 1, 16, 2, 2, 1, 2, device)

@@ -34,8 +34,8 @@ from ...memory_plan import check_memory_budget
 from ...memory_planner import MemoryPlanner
 from .. import liger
 from .. import peft as ft_peft
+from ..models import STATE, decoder_layers, has_experts, hf_model, model_state, pop_model_state, transformers_model
 from ..models import ModelState as ModelState
-from ..models import decoder_layers, has_experts, hf_model, model_state, pop_model_state, transformers_model
 from ..models import decoder_stack as decoder_stack
 from ..models import is_experts_block as is_experts_block
 from . import lifecycle, versions
@@ -120,23 +120,36 @@ def apply(
         raise ValueError(
             f"graphs={graphs!r} needs offload_checkpointing=True: the graphs are replayed by fastft's checkpoint"
         )
-    if packing:
-        use_packed_attention(model)
-    if moe and has_experts(model):
-        use_moe(model)
-    if moe:
-        liger.route_liger_experts(model)
-    if lora and ft_peft.has_lora(model):
-        ft_peft.use_lora(model)
-        inner = hf_model(model)
-        state = model_state(inner)
-        if "lora" not in state.records:
-            state.add("lora", None, functools.partial(ft_peft.revert_lora, inner))
-    if offload_checkpointing:
-        enable_gradient_checkpointing(model, graphs=graphs)
-    if memory_budget is not None:
-        use_memory_plan(model, memory_budget, max_tokens=max_tokens)
-    lifecycle.watch(model)  # fastft serves training and packed forwards; the model's own code the others
+    inner = hf_model(model)
+    fresh = STATE not in inner.__dict__
+    state = model_state(inner)
+    done, records = len(state.undo), set(state.records)
+    try:
+        if packing:
+            use_packed_attention(model)
+        if moe and has_experts(model):
+            use_moe(model)
+        if moe:
+            liger.route_liger_experts(model)
+        if lora and ft_peft.has_lora(model):
+            ft_peft.use_lora(model)
+            if "lora" not in state.records:
+                state.add("lora", None, functools.partial(ft_peft.revert_lora, inner))
+        if offload_checkpointing:
+            enable_gradient_checkpointing(model, graphs=graphs)
+        if memory_budget is not None:
+            use_memory_plan(model, memory_budget, max_tokens=max_tokens)
+        lifecycle.watch(model)  # fastft serves training and packed forwards; the model's own code the others
+    except BaseException:
+        # a refusal part way leaves the model as it was: what this call changed is undone, last first
+        undos, state.undo[done:] = state.undo[done:], []
+        for undo in reversed(undos):
+            undo()
+        for key in set(state.records) - records:
+            del state.records[key]
+        if fresh:
+            pop_model_state(inner)
+        raise
     return model
 
 

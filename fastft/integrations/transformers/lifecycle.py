@@ -12,7 +12,9 @@ A forward of the decoder stack is one of three kinds (``forward_kind``):
   on rows that are one document each), evaluation or inference on plain or padded rows.
   The model runs as it would without ``apply``: the attention and experts implementations it had, PEFT's
   LoRA forward, Liger's experts, no checkpoint (transformers 5.17 drops the cache of a checkpointed layer
-  in train mode). Its logits and tokens are the model's without ``apply``.
+  in train mode). Its logits and tokens are the model's without ``apply``. Under ``use_expert_parallel``
+  the experts stay on fastft's path (the only one that runs a rank's slice of them; every rank generates
+  in step, as it trains).
 
 ``watch(model)`` registers the decoder stack's hooks that set each forward up and put everything back
 after it (also when it raises); ``forward_kind(stack)`` tells the other concerns' hooks the current kind.
@@ -117,7 +119,10 @@ def _begin(module, kwargs, inner) -> None:
     configs = []
     if kind == STOCK:
         state = model_state(inner)
+        sharded = "expert_parallel" in state.records  # each rank holds its slice of the experts: fastft's runs them
         for config, backing, value in state.records.get("stock", {}).values():
+            if sharded and backing.startswith("_experts_implementation"):
+                continue
             configs.append((config, backing, getattr(config, backing)))
             setattr(config, backing, value)
         step_aside(+1)

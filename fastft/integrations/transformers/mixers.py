@@ -21,6 +21,7 @@ packing-correct, and the patching that puts fastft's ops (``mixer_ops``) in the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 import sys
@@ -28,6 +29,7 @@ import sys
 import torch
 
 from ..models import PACKED_INFO_KWARG, decoder_stack, model_state, transformers_model
+from . import versions
 from .mixer_ops import (  # noqa: F401  (the names of the functions fastft replaces, by their modules)
     CONV_FN,
     DELTA_RULE_FN,
@@ -282,18 +284,25 @@ def _replace(namespace, name: str, make=None):
     once for all the models that use it; returns the undo of this model's use."""
     key = (namespace.__name__, name) if make is None else (namespace.__module__, namespace.__name__, name)
     patch = _patched.setdefault(key, _Patch(None, 0, None))
-    current = getattr(namespace, name)
+    if make is None:
+        get, put = functools.partial(getattr, namespace, name), functools.partial(setattr, namespace, name)
+    else:  # a class's forward (inside transformers' checkpointing wrapper, where it has one)
+        get, put = (
+            functools.partial(versions.layer_forward, namespace),
+            functools.partial(versions.set_layer_forward, namespace),
+        )
+    current = get()
     if current is not patch.replacement:  # first use, or the module's function was set anew since (a reload)
         patch.original, patch.replacement = current, (make or REPLACEMENTS[name])(current)
-        setattr(namespace, name, patch.replacement)
+        put(patch.replacement)
     patch.models += 1
 
     def restore():
         patch.models -= 1
         if patch.models == 0:
             _patched.pop(key)
-            if getattr(namespace, name) is patch.replacement:
-                setattr(namespace, name, patch.original)
+            if get() is patch.replacement:
+                put(patch.original)
 
     return restore
 

@@ -5,7 +5,9 @@ name of a forward's KV cache, and the method that turns checkpointing on.
   and a checkpointed layer wraps ``__call__`` (its checkpoint function gets ``partial(module.__call__)``).
 - 5.24: the cache is ``cache`` (``past_key_values`` is still taken); ``activation_checkpointing_enable``
   (``gradient_checkpointing_enable`` warns that it goes in v6); a checkpointed layer wraps ``forward`` (its
-  checkpoint function gets ``partial(forward, module)``) and runs uncheckpointed without grad.
+  checkpoint function gets ``partial(forward, module)``) and runs uncheckpointed without grad; only the
+  outermost such wrapper of a class checkpoints, so fastft replaces the forward inside it
+  (``layer_forward``/``set_layer_forward``), not the wrapper.
 """
 
 from __future__ import annotations
@@ -67,3 +69,30 @@ def enable_checkpointing(model, every_n_layers: int) -> None:
         cls._activation_checkpointing_enable(model, kwargs, every_n_layers=every_n_layers)
     else:
         cls.gradient_checkpointing_enable(model, kwargs, every_n_layers=every_n_layers)
+
+
+def _checkpointing_cell(cls):
+    """The closure cell holding the forward inside transformers' checkpointing wrapper of ``cls.forward``
+    (5.24's ``GradientCheckpointingLayer``), or None where ``cls.forward`` is the forward itself."""
+    fn = cls.__dict__.get("forward")
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_name != "forward_with_checkpointing" or "forward" not in code.co_freevars:
+        return None
+    return fn.__closure__[code.co_freevars.index("forward")]
+
+
+def layer_forward(cls):
+    """The forward a layer class runs: ``cls.forward``, or the one inside transformers' checkpointing wrapper."""
+    cell = _checkpointing_cell(cls)
+    return cls.forward if cell is None else cell.cell_contents
+
+
+def set_layer_forward(cls, fn) -> None:
+    """Make ``fn`` the forward ``layer_forward(cls)`` gives. Inside transformers' checkpointing wrapper it stays
+    outermost (a wrapper replacing it would never checkpoint), and the checkpoint's recomputation, which
+    calls the inner forward, runs ``fn`` too."""
+    cell = _checkpointing_cell(cls)
+    if cell is None:
+        cls.forward = fn
+    else:
+        cell.cell_contents = fn
