@@ -2,7 +2,7 @@
 
 commands:
   info    the device, versions, and the backend and autotune entry of every op
-  check   differential fuzzing: each op's Triton path against its torch reference on random inputs
+  check   differential fuzzing: the selfcheck ops' Triton paths against their torch references
   bench   each op's baseline against fastft (the op micro-benchmarks)
   e2e     the main job: fine-tuning steps of transformers models per stack, and fastft's loss check
   audit   profile e2e training steps: launches, host syncs, GPU-busy fraction, why the GPU idled, per layer

@@ -15,6 +15,7 @@ functions (hypothesis is imported only when one is called). fastft's own per-op 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import numbers
@@ -139,11 +140,17 @@ def _fresh(value):
     if isinstance(value, torch.Tensor):
         return value.detach().clone().requires_grad_(value.requires_grad)
     if isinstance(value, tuple):
-        return tuple(_fresh(v) for v in value)
+        items = [_fresh(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples too
     if isinstance(value, list):
         return [_fresh(v) for v in value]
     if isinstance(value, dict):
         return {k: _fresh(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fresh = copy.copy(value)  # a dataclass's tensor fields cloned (init=False ones too)
+        for field in dataclasses.fields(value):
+            object.__setattr__(fresh, field.name, _fresh(getattr(value, field.name)))
+        return fresh
     return value
 
 

@@ -243,3 +243,9 @@ def test_one_list_of_op_families():
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     only = {name: next(a for a in sub.choices[name]._actions if a.dest == "only").choices for name in ("bench", "tune")}
     assert only == {"bench": list(bench.FAMILIES), "tune": list(bench.tuned())}
+
+
+def test_e2e_nproc_refuses_columns_it_cannot_run():
+    pytest.importorskip("transformers")
+    out = run("e2e", "--nproc", "1", "--column", "stock sdpa, padded")
+    assert out.returncode == 2 and "does not run under --nproc: it trains on padded rows" in out.stderr

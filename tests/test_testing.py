@@ -231,3 +231,26 @@ def test_tiny_hf_model(family):
     assert model.training and model.config.num_hidden_layers == 2
     ids = torch.randint(0, 128, (1, 8))
     assert model(input_ids=ids).logits.shape == (1, 8, 128)
+
+
+def test_differential_gives_each_callable_its_own_namedtuples_and_dataclasses():
+    import collections
+    import dataclasses
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    @dataclasses.dataclass
+    class Box:
+        t: torch.Tensor
+
+    def reference(pair, box):
+        return pair.a + pair.b + box.t
+
+    def candidate(pair, box):
+        out = pair.a + pair.b + box.t
+        box.t.mul_(2)  # written into: the reference must not see it
+        pair.a.zero_()
+        return out
+
+    make = lambda g: (Pair(torch.randn(3, generator=g), torch.randn(3, generator=g)), Box(torch.randn(3, generator=g)))  # noqa: E731
+    testing.differential(candidate, reference, inputs=make, cases=3)

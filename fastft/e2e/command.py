@@ -107,6 +107,8 @@ def cmd_audit(args) -> int:
 
     p, device = args.parser, cli.device_of(args.device)
     _check_stack(p, argparse.Namespace(**{**vars(args), "column": [args.column]}), device, [args.model])
+    if COLUMNS[args.column].own_process:
+        p.error(f"--column '{args.column}' runs in a process of its own: audit profiles a column in this one")
     tiny = run.tiny_configs(device, args.quick)
     with cli.environment(**backend_of(args.backend, device)):
         stream = model_stream(args.model, args.stream, tiny, device)

@@ -24,7 +24,7 @@ import torch
 
 from ..spawn import exit_spawned_worker
 from .models import MODEL_CONFIGS, dtype_for, is_moe, model_config, num_experts
-from .stacks import COLUMNS, build
+from .stacks import COLUMNS, build, why_not_on
 from .stacks import columns as columns_here
 from .stream import make_batch
 from .train import step_ms
@@ -55,6 +55,10 @@ def why_not(nproc: int, models, columns=None, modes=None, quick: bool = False) -
                 )
     if "ep" in modes and not any(COLUMNS[c].fastft for c in columns or DEFAULT_COLUMNS):
         return "--parallel ep is fastft's expert parallelism: it needs a fastft --column"
+    for c in columns or ():
+        if COLUMNS[c].padded or COLUMNS[c].own_process:
+            kind = "trains on padded rows" if COLUMNS[c].padded else "runs in a process of its own"
+            return f"--column {c!r} does not run under --nproc: it {kind}, the ranks train on packed rows"
     return None
 
 
@@ -185,6 +189,9 @@ def run(nproc: int, quick: bool, models=None, columns=None, modes=None, warmup=N
                 checkpoint = _checkpoint(name, tiny, tmp) if mode == "hf ep" else None
                 for column in columns_here(device, columns or DEFAULT_COLUMNS):
                     if column == "naive glue" or (mode == "ep" and not COLUMNS[column].fastft):
+                        continue
+                    if why := why_not_on(column, name):
+                        print(f"{name}: {column!r} skipped: {why}", flush=True)
                         continue
                     for world in sorted({1, nproc}):
                         r = _spawn(world, name, column, mode, tiny, checkpoint, schedule)

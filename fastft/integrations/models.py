@@ -6,6 +6,7 @@ imports neither (nor transformers, outside ``decoder_layers``)."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 
 import torch
@@ -13,7 +14,7 @@ import torch
 STATE = "_fastft_state"  # in the transformers model's __dict__: its ModelState
 PACKED_INFO_KWARG = "fastft_packed_info"  # the forward keyword that hands each layer the batch's PackedSeqInfo
 
-_aside = [0]  # how many forwards that run the model's own code are under way (see stepping_aside)
+_aside = threading.local()  # per thread: how many forwards that run the model's own code are under way
 
 
 @dataclasses.dataclass(eq=False)
@@ -34,13 +35,14 @@ class ModelState:
 def stepping_aside() -> bool:
     """Whether a forward that runs the model's own code is under way (``fastft.integrations.transformers.
     lifecycle``: generation with a cache, evaluation of plain or padded rows): fastft's module forwards
-    (PEFT LoRA layers, Liger's experts) then run the forward they replaced."""
-    return _aside[0] > 0
+    (PEFT LoRA layers, Liger's experts) then run the forward they replaced. Per thread: a model generating
+    in one thread leaves another's training in its own on fastft's paths."""
+    return getattr(_aside, "count", 0) > 0
 
 
 def step_aside(delta: int) -> None:
-    """Count a forward that runs the model's own code in (+1) or out (-1)."""
-    _aside[0] = max(_aside[0] + delta, 0)
+    """Count a forward that runs the model's own code in (+1) or out (-1), in this thread."""
+    _aside.count = max(getattr(_aside, "count", 0) + delta, 0)
 
 
 def hf_model(model):
