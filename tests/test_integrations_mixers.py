@@ -358,3 +358,25 @@ def test_attention_that_gets_no_document_boundaries_is_refused(rng):
         model(input_ids=ids, position_ids=pos)
     revert(model)
     model(input_ids=ids, position_ids=pos)  # the model's own attention again
+
+
+@pytest.mark.usefixtures("transformers_torch_delta_rule")
+def test_replaced_layer_forward_keeps_the_layer_checkpointed(rng, device, monkeypatch):
+    """Jamba's Mamba decoder layer, whose forward fastft replaces, is still checkpointed like the others
+    (transformers 5.24 checkpoints only through the outermost wrapper of a layer's forward)."""
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")  # the checkpointing is under test, not the kernels
+    model = apply(tiny("jamba", rng, **HYBRIDS["jamba"]).to(device).train())
+    calls = []
+    for i, layer in enumerate(model.model.layers):
+        function = layer._gradient_checkpointing_func
+
+        def counted(*args, _i=i, _function=function, **kwargs):
+            calls.append(_i)
+            return _function(*args, **kwargs)
+
+        layer._gradient_checkpointing_func = counted
+    ids, pos, _ = documents(rng, model.config.vocab_size, device=device)
+    step(model, ids, pos)
+    assert sorted(calls) == list(range(len(model.model.layers)))
+    assert {type(layer).__name__ for layer in model.model.layers} >= {"JambaMambaDecoderLayer"}
+    revert(model)
