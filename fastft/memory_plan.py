@@ -7,7 +7,7 @@ Choices, from most memory and least time to least memory and most time:
 
 - ``keep``: no checkpoint; the layer's forward saves what autograd needs (norms, casts, activations...).
 - ``selective``: checkpointed, with selective activation checkpointing inside (``fastft.selective_checkpoint``:
-  the GEMMs', attention's and fastft's scans' results saved, the cheap rest recomputed).
+  the results of the GEMMs, attention and fastft's delta-rule scan saved, the cheap rest recomputed).
 - ``recompute``: checkpointed, its input kept on the device.
 - ``offload``: checkpointed, its input in pinned host memory (``fastft.offloaded_checkpoint``); where the
   input is not offloaded (a CPU tensor, a small input, ``OffloadConfig(enabled=False)``) it is

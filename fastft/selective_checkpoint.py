@@ -30,7 +30,7 @@ _MATMULS = {  # op -> positions of its two operands
     "aten::_grouped_mm": (0, 1),
 }
 _IN_PLACE = {"aten::addmm_", "aten::baddbmm_"}  # write their result into their first argument
-_SAVED = {  # attention forwards and fastft's scans: saved unless they draw random numbers
+_SAVED = {  # attention forwards and fastft's delta-rule scan: saved unless they draw random numbers
     "aten::_scaled_dot_product_flash_attention",
     "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_scaled_dot_product_efficient_attention",
