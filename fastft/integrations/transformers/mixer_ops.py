@@ -55,7 +55,7 @@ def _conv_fn(original):
 
 
 def _delta_rule_fn(original):
-    def torch_chunk_gated_delta_rule(
+    def delta_rule(
         query,
         key,
         value,
@@ -67,8 +67,9 @@ def _delta_rule_fn(original):
         use_qk_l2norm_in_kernel=False,
         **kwargs,
     ):
-        """transformers' ``torch_chunk_gated_delta_rule`` with the state reset at every document of the
-        batch's ``PackedSeqInfo`` (``fastft.gated_delta_rule``); transformers' own without one."""
+        """transformers' gated delta rule (``torch_chunk_gated_delta_rule``, a decay per head; or Kimi's
+        ``chunk_kimi_delta_attention``, a decay per key channel) with the state reset at every document of the
+        batch's ``PackedSeqInfo`` (``fastft.gated_delta_rule`` takes both); transformers' own without one."""
         info = kwargs.get(PACKED_INFO_KWARG)
         if info is None:
             return original(
@@ -90,48 +91,13 @@ def _delta_rule_fn(original):
         out = gated_delta_rule(query, key, value, g, beta, info, use_qk_l2norm=use_qk_l2norm_in_kernel)
         return out, None
 
-    torch_chunk_gated_delta_rule.__wrapped__ = original
-    return torch_chunk_gated_delta_rule
+    delta_rule.__name__ = delta_rule.__qualname__ = original.__name__
+    delta_rule.__wrapped__ = original
+    return delta_rule
 
 
 # The batch's info while a decoder layer of CONTEXT_LAYERS runs (its mixer's calls get no keyword arguments).
 LAYER_INFO: contextvars.ContextVar = contextvars.ContextVar("fastft_layer_info", default=None)
-
-
-def _kda_fn(original):
-    def chunk_kimi_delta_attention(
-        query,
-        key,
-        value,
-        g,
-        beta,
-        chunk_size=64,
-        initial_state=None,
-        output_final_state=False,
-        use_qk_l2norm_in_kernel=False,
-        **kwargs,
-    ):
-        """transformers' ``chunk_kimi_delta_attention`` (a decay per key channel) with the state reset at every
-        document of the batch's ``PackedSeqInfo`` (``fastft.gated_delta_rule``); transformers' own without one."""
-        info = kwargs.get(PACKED_INFO_KWARG)
-        if info is None:
-            return original(
-                query,
-                key,
-                value,
-                g,
-                beta,
-                chunk_size=chunk_size,
-                initial_state=initial_state,
-                output_final_state=output_final_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                **kwargs,
-            )
-        _no_cache(initial_state, output_final_state)
-        return gated_delta_rule(query, key, value, g, beta, info, use_qk_l2norm=use_qk_l2norm_in_kernel), None
-
-    chunk_kimi_delta_attention.__wrapped__ = original
-    return chunk_kimi_delta_attention
 
 
 def _ssd_fn(original):
@@ -288,7 +254,7 @@ def _lightning_forward(original):
 REPLACEMENTS = {
     CONV_FN: _conv_fn,
     DELTA_RULE_FN: _delta_rule_fn,
-    KDA_FN: _kda_fn,
+    KDA_FN: _delta_rule_fn,
     SSD_FN: _ssd_fn,
     FUSED_SSD_FN: _fused_ssd_fn,
     SELECTIVE_SCAN_FN: _selective_scan_fn,
