@@ -32,18 +32,9 @@ import time
 import torch
 import torch.distributed as dist
 
-LLAMA_1B = dict(  # Llama-3.2-1B
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    vocab_size=128256,
-    tie_word_embeddings=True,
-    rope_theta=500000.0,
-    max_position_embeddings=131072,
-)
+from fastft.e2e.models import MODEL_CONFIGS
+
+LLAMA_1B = dict(MODEL_CONFIGS["Llama-3.2-1B"][1])  # the main job's Llama-3.2-1B widths
 TINY = dict(
     LLAMA_1B,
     hidden_size=64,

@@ -25,17 +25,9 @@ import time
 
 import torch
 
-QWEN3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=151936,
-    max_position_embeddings=40960,
-    rope_theta=1_000_000.0,
-    tie_word_embeddings=False,
-)
+from fastft.e2e.models import MODEL_CONFIGS
+
+QWEN3_8B = {k: v for k, v in MODEL_CONFIGS["Qwen3-8B"][1].items() if k != "num_hidden_layers"}  # the main job's widths
 CONFIGS = ("recompute", "plan", "none")
 RANK = 16
 GIB = 2**30
