@@ -130,16 +130,19 @@ def test_e2e_columns_of_a_moe_model(tmp_path):
 def test_e2e_nproc(tmp_path):
     pytest.importorskip("transformers")
     path = tmp_path / "dist.json"
-    args = ["--model", "Qwen3-30B-A3B", "--column", "fastft", "--parallel", "ep", "--parallel", "fsdp2"]
-    nproc = str(min(2, torch.cuda.device_count())) if torch.cuda.is_available() else "2"
-    out = run("e2e", "--quick", "--nproc", nproc, *args, "--json", str(path))
+    args = ["--model", "Qwen3-30B-A3B", "--column", "fastft", "--parallel", "ep", "--parallel", "shard"]
+    nproc = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
+    out = run("e2e", "--quick", "--nproc", str(nproc), *args, "--json", str(path))
     assert out.returncode == 0, out.stdout + out.stderr
     rows = json.loads(path.read_text())["rows"]
-    worlds = sorted({1, int(nproc)})
-    assert [(r["parallel"], r["world"]) for r in rows] == [(m, w) for m in ("ep", "fsdp2") for w in worlds]
-    assert all(r["step_ms"] > 0 and r["tokens_per_s_per_gpu"] > 0 for r in rows)
-    assert all(r["scaling"] == 1.0 for r in rows if r["world"] == 1)
-    assert "| Qwen3-30B-A3B | 2 | ep | fastft |" in out.stdout
+    splits = ("rows", "balanced")
+    expected = [("ep", w, s) for w in sorted({1, nproc}) for s in splits] + [("shard", nproc, s) for s in splits]
+    assert [(r["parallel"], r["world"], r["split"]) for r in rows] == expected
+    for r in rows:
+        assert r["step_ms"] > 0 and r["tokens_per_s_per_gpu"] > 0 and r["scaling"] > 0, r
+        assert r["steps"] == 2 and r["warmup"] == 1 and len(r["work_ms"]) == len(r["wait_ms"]) == nproc
+        assert all(w > 0 for w in r["work_ms"]) and r["imbalance"] >= 0
+    assert f"| Qwen3-30B-A3B | 2 | ep | fastft | balanced | {nproc} |" in out.stdout
 
 
 @pytest.mark.parametrize(

@@ -265,6 +265,37 @@ def test_fsdp2_must_leave_the_experts_to_expert_parallelism(monkeypatch):
     spawn.run(unignored_worker, world=WORLD, backend=BACKEND, timeout=TIMEOUT)
 
 
+def one_rank_worker(rank, out):
+    """fastft's expert parallelism over a group of one rank runs the plain experts path (no all-to-all, no host
+    sync): the loss and gradients of the model without it."""
+    import fastft.integrations.transformers as ft_hf
+    from fastft.integrations.transformers import experts
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("moe_expert_parallel ran over a group of one rank")
+
+    experts.moe_expert_parallel = refuse
+    results = []
+    for ep in (False, True):
+        model = build("qwen3_moe", False)
+        if ep:
+            ft_hf.use_expert_parallel(model, dist.new_group([rank]))
+        model(**batch(rank, "ep")).loss.backward()
+        results.append({n: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None})
+    torch.save(results, f"{out}.{rank}")
+
+
+def test_expert_parallel_over_one_rank_is_the_plain_model(tmp_path, monkeypatch):
+    if BACKEND == "gloo":
+        monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    out = str(tmp_path / "out")
+    spawn.run(one_rank_worker, (out,), world=1, backend=BACKEND, timeout=TIMEOUT)
+    plain, ep = torch.load(f"{out}.0")
+    assert plain.keys() == ep.keys() and any("experts" in n for n in ep)
+    for n in plain:
+        assert torch.equal(plain[n], ep[n]), n
+
+
 def generate_worker(rank, out):
     """A model under fastft's expert parallelism generates (greedy, with its cache, in eval and train mode) the
     tokens of the model before ``apply``, which holds every expert."""

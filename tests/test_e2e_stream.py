@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fastft.e2e import report, run, stacks, train
-from fastft.e2e.models import MODEL_CONFIGS, has_sinks, is_moe, num_experts
-from fastft.e2e.stream import IGNORE, KINDS, pack, packed_stream, streams_of
+from fastft.e2e.models import MODEL_CONFIGS, has_sinks, is_moe, model_config, num_experts
+from fastft.e2e.stream import IGNORE, KINDS, pack, packed_stream, regroup, streams_of
 
 
 def _seed(rng) -> int:
@@ -59,6 +59,54 @@ def test_fixed_rows_fill_the_budget_and_padding_free_rows_hold_whole_documents(r
         # the next document did not fit whole: the fixed row holds it cut to the budget's rest
         assert p.num_tokens == 1024 or f.seq_lengths[n] == 1024 - p.num_tokens
         assert torch.equal(f.input_ids[:, : p.num_tokens], p.input_ids)
+
+
+def _documents(rows):
+    """Each document of ``rows`` as (token ids, labels), in order."""
+    out = []
+    for row in rows:
+        for ids, labels in zip(row.input_ids[0].split(row.seq_lengths), row.labels[0].split(row.seq_lengths)):
+            out.append((ids, labels))
+    return out
+
+
+def test_regroup_packs_the_documents_again_one_row_per_group(rng):
+    rows = _take("padding-free", _seed(rng), 3)
+    documents = _documents(rows)
+    order = torch.randperm(len(documents), generator=rng).tolist()
+    groups = [order[: len(order) // 3], order[len(order) // 3 :]]
+    out = regroup(rows, groups)
+    assert len(out) == 2
+    for row, group in zip(out, groups):
+        assert row.seq_lengths == tuple(len(documents[i][0]) for i in group) and row.num_tokens == sum(row.seq_lengths)
+        assert torch.equal(row.position_ids, torch.cat([torch.arange(n) for n in row.seq_lengths])[None])
+        for (ids, labels), i in zip(_documents([row]), group, strict=True):
+            assert torch.equal(ids, documents[i][0]) and torch.equal(labels, documents[i][1])
+    with pytest.raises(ValueError, match=r"groups\[1\] is empty"):
+        regroup(rows, [order, []])
+    with pytest.raises(ValueError, match=r"groups\[0\] has document numbers outside"):
+        regroup(rows, [[len(documents)]])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_distributed_shares_hold_the_same_documents_both_ways(world):
+    from fastft import balance_documents
+    from fastft.e2e import distributed
+
+    rows = distributed.shares("Qwen3-0.6B", True, world, 3, "rows")
+    balanced = distributed.shares("Qwen3-0.6B", True, world, 3, "balanced")
+    assert len(rows) == len(balanced) == 3 and all(len(s) == world for s in rows + balanced)
+    for step_rows, step_balanced in zip(rows, balanced):
+
+        def key(d):
+            return tuple(d[0].tolist())
+
+        assert sorted(map(key, _documents(step_rows))) == sorted(map(key, _documents(step_balanced)))
+        lengths = [n for row in step_rows for n in row.seq_lengths]
+        plan = balance_documents(lengths, world, attention_tokens=12 * model_config("Qwen3-0.6B", True).hidden_size)
+        assert [r.num_tokens for r in step_balanced] == [t[0] for t in plan.tokens]
+    with pytest.raises(ValueError, match="split must be one of"):
+        distributed.shares("Qwen3-0.6B", True, 2, 1, "sorted")
 
 
 def test_pack():

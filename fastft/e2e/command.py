@@ -53,7 +53,7 @@ def cmd_e2e(args) -> int:
         p.error("--parallel is taken with --nproc only")
     for option in ("stream", "quant"):
         if args.nproc is not None and getattr(args, option) is not None:
-            p.error(f"--{option} is not taken with --nproc (each rank trains on one fixed-length row)")
+            p.error(f"--{option} is not taken with --nproc (the ranks share the padding-free stream)")
     if args.nproc is not None:
         names = args.model or list(MODELS if args.all else distributed.MODELS)
     else:
@@ -220,7 +220,8 @@ def add_parsers(sub) -> None:
         "--nproc",
         type=cli.positive(int),
         metavar="N",
-        help="one process per GPU (NCCL; gloo on CPUs), 1 and N processes side by side (default models: "
+        help="one process per GPU (NCCL; gloo on CPUs) on a fresh share of the stream every step (rows, and "
+        "balanced), against the same documents on one GPU (default models: "
         f"{', '.join(distributed.MODELS)})",
     )
     p.add_argument(
@@ -228,7 +229,8 @@ def add_parsers(sub) -> None:
         action="append",
         choices=list(distributed.MODES),
         metavar="MODE",
-        help="with --nproc (repeatable): ddp (default), fsdp2, ep (fastft's expert parallelism, MoE models), "
+        help="with --nproc (repeatable): ddp (default), fsdp2, shard (fastft.integrations.fsdp.shard), ep "
+        "(fastft's expert parallelism, MoE models), "
         "'hf ep' (transformers' own, MoE models)",
     )
     p.add_argument("--json", type=cli.json_path, help="also write the records to this file, and a PNG chart beside it")

@@ -1,24 +1,45 @@
-"""Multi-process e2e steps (``python -m fastft e2e --nproc N --parallel MODE``): the e2e models and
-columns, each rank on its own GPU (NCCL; gloo and tiny configs on CPUs) with its own packed row (seed =
-rank), timed after two warm-up steps. For each (model, mode, column) it runs 1 process and then N, and reports
-tokens/s per GPU, the scaling of the total against one process, and the largest peak memory of any rank.
+"""Multi-process e2e steps (``python -m fastft e2e --nproc N --parallel MODE``) on the padding-free stream: each
+rank on its own GPU (NCCL; gloo and tiny configs on CPUs), a fresh share of the seeded stream every step.
+
+Each step the group trains a global batch: the next N rows of the model's padding-free stream
+(``fastft.e2e.stream.model_stream``, seed 0), shared out two ways, both run on the same documents:
+
+- ``rows``: rank r trains row r, as a distributed sampler with a flattening collator gives: each rank packs its
+  own row, so token counts (and attention's quadratic cost) differ per rank every step;
+- ``balanced``: the N rows' documents split over the N ranks by ``fastft.balance_documents`` (cost: tokens plus
+  attention's term, ``attention_tokens`` = 12 x the hidden size), each rank's documents packed into one row.
+
+One GPU trains every share of every step alone: the plain model (no wrapper, no process group), one optimizer
+step per share. Its times are the base of the scaling (the same documents on one GPU) and each rank's own work;
+a rank's wait is the group's step (which the slowest rank sets) minus its work: waiting for the others, plus
+communication. ``imbalance``: the slowest rank's work over the mean rank's, minus 1, averaged over steps.
+
+Every run (one GPU or N) passes once over its steps at learning rate 0 (a process's first pass over new row
+counts is slower; the single-process job primes the same way), then trains ``warmup`` untimed and ``steps``
+timed steps; the ranks start each step together (a barrier, outside the timing) and a step ends with its GPU
+work. Peak memory is each process's peak reserved memory over the timed steps.
 
 Modes (``--parallel``, repeatable; default ``ddp``):
 - ``ddp``: ``DistributedDataParallel`` around the model (``find_unused_parameters`` for MoE models, whose
   experts do not all see tokens);
-- ``fsdp2``: ``fully_shard`` on each decoder layer and the root, ``MixedPrecisionPolicy`` bf16 params (on
-  GPUs) with fp32 reduction;
-- ``ep`` (MoE, fastft columns): ``use_expert_parallel`` (all-to-all) and DDP for the rest;
+- ``fsdp2``: ``fully_shard`` on each decoder layer and the root, as users write it: every parameter sharded,
+  FSDP2's defaults, ``MixedPrecisionPolicy`` model-dtype params with fp32 reduction;
+- ``shard``: ``fastft.integrations.fsdp.shard`` (LoRA: the frozen base whole on every rank, the adapters
+  sharded), the same precision policy;
+- ``ep`` (MoE, fastft columns): ``use_expert_parallel`` (all-to-all) and DDP for the rest; also run with one
+  process over every share, against the plain model;
 - ``hf ep`` (MoE): transformers' own expert-parallel plan (``DistributedConfig(tp_plan="auto",
-  enable_expert_parallel=True)``, the model loaded from a checkpoint this script writes); every rank runs the
-  same tokens, so tokens/s per GPU counts each token once over the group.
+  enable_expert_parallel=True)``, the model loaded from a checkpoint this module writes); every rank runs the
+  same tokens (rank 0's share of ``rows``), so tokens/s per GPU counts each token once over the group.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
+import time
 
 import torch
 
@@ -26,10 +47,11 @@ from ..spawn import exit_spawned_worker
 from .models import MODEL_CONFIGS, dtype_for, is_moe, model_config, num_experts
 from .stacks import COLUMNS, build, why_not_on
 from .stacks import columns as columns_here
-from .stream import make_batch
-from .train import step_ms
+from .stream import regroup, stream_batches
+from .train import schedule, train_step
 
-MODES = ("ddp", "fsdp2", "ep", "hf ep")
+MODES = ("ddp", "fsdp2", "shard", "ep", "hf ep")
+SPLITS = ("rows", "balanced")
 MODELS = ("Qwen3-0.6B", "Qwen3-30B-A3B")  # run without --model: a dense model and a MoE one
 DEFAULT_COLUMNS = ("stock sdpa", "fastft")
 
@@ -62,22 +84,46 @@ def why_not(nproc: int, models, columns=None, modes=None, quick: bool = False) -
     return None
 
 
-def _wrap(model, mode: str, moe: bool):
+def shares(name: str, tiny: bool, world: int, count: int, split: str) -> list[list]:
+    """``count`` global steps of the model's padding-free stream (seed 0) as ``PackedBatch`` rows, ``[step][rank]``
+    for ``world`` ranks, shared out as ``split`` says (see the module docstring)."""
+    from fastft import balance_documents
+
+    rows = stream_batches(name, "padding-free", tiny, count * world)
+    steps = [rows[i * world : (i + 1) * world] for i in range(count)]
+    if split == "rows":
+        return steps
+    if split != "balanced":
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    attention_tokens = 12 * model_config(name, tiny).hidden_size
+    out = []
+    for step in steps:
+        lengths = [n for row in step for n in row.seq_lengths]
+        plan = balance_documents(lengths, world, attention_tokens=attention_tokens)
+        out.append(regroup(step, [rank[0] for rank in plan.documents]))
+    return out
+
+
+def _wrap(model, mode: str | None, moe: bool):
     import torch.distributed as dist
 
     from fastft.integrations import transformers as ft_hf
     from fastft.integrations.transformers import decoder_layers
 
-    if mode == "fsdp2":
+    if mode is None or mode == "hf ep":
+        return model
+    if mode in ("fsdp2", "shard"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from fastft.integrations.fsdp import shard
 
         dtype = next(p.dtype for n, p in model.named_parameters() if "lora_" not in n)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        if mode == "shard":
+            return shard(model, mp_policy=policy)
         for layer in decoder_layers(model):
             fully_shard(layer, mp_policy=policy)
         return fully_shard(model, mp_policy=policy)
-    if mode == "hf ep":
-        return model
     from torch.nn.parallel import DistributedDataParallel
 
     if mode == "ep":
@@ -86,20 +132,47 @@ def _wrap(model, mode: str, moe: bool):
     return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=moe and mode == "ddp")
 
 
-def _worker(rank, world, init, out, name, column, mode, tiny, checkpoint, schedule):
+def _pass(model, inputs, device, lr: float, warmup: int, barrier: bool) -> tuple[list, int]:
+    """One AdamW step per item of ``inputs``, each timed to the end of its GPU work after a barrier (``barrier``:
+    the ranks start each step together); (seconds per step, peak reserved bytes from step ``warmup`` on, -1
+    without a GPU)."""
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    seconds = []
+    for i, batch in enumerate(inputs):
+        if cuda and i == warmup:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        if barrier:
+            dist.barrier(device_ids=[device.index]) if cuda else dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        train_step(model, opt, batch).item()  # read each step, as a logging loop does
+        if cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return seconds, torch.cuda.max_memory_reserved() if cuda else -1
+
+
+def _worker(rank, world, init, out, job):
+    import torch.distributed as dist
+
     gpu = torch.cuda.is_available()
+    group = job["mode"] is not None
     if gpu:
         torch.cuda.set_device(rank)
     device = torch.device(f"cuda:{rank}" if gpu else "cpu")
-    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    if group:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         from fastft.integrations import transformers as ft_hf
 
-        if gpu:
-            torch.cuda.reset_peak_memory_stats()
+        name, tiny, mode = job["name"], job["tiny"], job["mode"]
         model = None
         if mode == "hf ep":
             import transformers
@@ -107,51 +180,50 @@ def _worker(rank, world, init, out, name, column, mode, tiny, checkpoint, schedu
 
             config = DistributedConfig(tp_plan="auto", enable_expert_parallel=True)
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                checkpoint, dtype=dtype_for(device), distributed_config=config
+                job["checkpoint"], dtype=dtype_for(device), distributed_config=config
             ).to(device)  # with one rank, the plan leaves the model where it was loaded
-        (model, _), restore = build(name, column, device, tiny, model=model)
-        moe = ft_hf.has_experts(model)
-        wrapped = _wrap(model, mode, moe)
-        batch, _ = make_batch(name, device, tiny, seed=0 if mode == "hf ep" else rank)
+        (model, _), restore = build(name, job["column"], device, tiny, model=model)
         try:
-            ms, peak, loss = step_ms(wrapped, batch, schedule[1], device, warmup=schedule[0])
+            wrapped = _wrap(model, mode, ft_hf.has_experts(model))
+            result = {}
+            for split in job["splits"]:
+                steps = shares(name, tiny, job["parts"], job["warmup"] + job["steps"], split)
+                if world == 1:  # every share of each step, one after another
+                    items, warmup = [s for step in steps for s in step], job["warmup"] * job["parts"]
+                else:
+                    items, warmup = [step[0 if mode == "hf ep" else rank] for step in steps], job["warmup"]
+                inputs = [b.to(device).inputs() for b in items]
+                prime, _ = _pass(wrapped, inputs, device, 0.0, warmup, group)
+                seconds, peak = _pass(wrapped, inputs, device, 1e-5, warmup, group)
+                result[split] = {
+                    "prime_s": sum(prime),
+                    "first_s": seconds[:warmup],
+                    "step_s": seconds[warmup:],
+                    "tokens": [b.num_tokens for b in items[warmup:]],
+                    "peak": peak,
+                }
         finally:
             restore()
-        row = torch.tensor([ms, peak, batch["input_ids"].shape[1]], dtype=torch.float64, device=device)
-        rows = [torch.zeros_like(row) for _ in range(world)]
-        dist.all_gather(rows, row)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump([r.tolist() for r in rows], f)
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(result, f)
     finally:
-        dist.destroy_process_group()
+        if group:
+            dist.destroy_process_group()
     exit_spawned_worker()
 
 
-def _spawn(world: int, name: str, column: str, mode: str, tiny: bool, checkpoint, schedule) -> dict:
+def _spawn(world: int, job: dict) -> list[dict]:
+    """Each rank's results of ``job`` run by ``world`` processes."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        mp.spawn(
-            _worker,
-            args=(world, os.path.join(tmp, "init"), out, name, column, mode, tiny, checkpoint, schedule),
-            nprocs=world,
-        )
-        with open(out) as f:
-            rows = json.load(f)
-    step = max(r[0] for r in rows)  # the group steps together: the slowest rank sets the pace
-    tokens = rows[0][2] if mode == "hf ep" else sum(r[2] for r in rows)  # hf ep: the same tokens everywhere
-    peak = max(r[1] for r in rows)
-    return {
-        "model": name,
-        "column": column,
-        "parallel": mode,
-        "world": world,
-        "step_ms": step,
-        "tokens_per_s_per_gpu": tokens / step * 1000 / world,
-        "peak_gib": peak / 2**30 if peak >= 0 else None,
-    }
+        out = os.path.join(tmp, "result")
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), out, job), nprocs=world)
+        results = []
+        for rank in range(world):
+            with open(f"{out}.{rank}") as f:
+                results.append(json.load(f))
+    return results
 
 
 def _checkpoint(name: str, tiny: bool, path: str) -> str:
@@ -170,57 +242,119 @@ def _checkpoint(name: str, tiny: bool, path: str) -> str:
     return path
 
 
+def _record(job, world, split, ranks, base) -> dict:
+    """The record of ``job`` on ``world`` processes and ``split`` from each rank's results (``ranks``) and the
+    plain model's on one GPU (``base``, every share of each step in rank order)."""
+    parts, steps = job["parts"], job["steps"]
+    own = [r[split] for r in ranks]
+    alone = base[0][split]["step_s"]
+    work = [alone[i * parts : (i + 1) * parts] for i in range(steps)]  # [step][rank]: each share alone
+    if world == 1:
+        group = own[0]["step_s"]
+        step_s = [sum(group[i * parts : (i + 1) * parts]) for i in range(steps)]  # a global step on one GPU
+        tokens = sum(own[0]["tokens"])
+        waits = [[0.0] * parts for _ in range(steps)]
+    else:
+        step_s = [max(r["step_s"][i] for r in own) for i in range(steps)]  # the group steps at the slowest's pace
+        tokens = sum(own[0]["tokens"]) if job["mode"] == "hf ep" else sum(sum(r["tokens"]) for r in own)
+        if job["mode"] == "hf ep":  # every rank runs rank 0's share, its experts split: no rank's work alone
+            work = [[w[0]] * world for w in work]
+        waits = [[step_s[i] - work[i][r] for r in range(world)] for i in range(steps)]
+    rank_tokens = [[r["tokens"][i] for r in own] for i in range(steps)] if world > 1 else None
+    one_gpu = sum(w[0] for w in work) if job["mode"] == "hf ep" else sum(alone)  # the same tokens on one GPU
+    return {
+        "model": job["name"],
+        "layers": model_config(job["name"], job["tiny"]).num_hidden_layers,
+        "column": job["column"],
+        "parallel": job["mode"],
+        "split": split,
+        "world": world,
+        "warmup": job["warmup"],
+        "steps": steps,
+        "step_ms": statistics.mean(step_s) * 1000,
+        "tokens_per_s_per_gpu": tokens / sum(step_s) / world,
+        "one_gpu_tokens_per_s": (sum(own[0]["tokens"]) if job["mode"] == "hf ep" else sum(base[0][split]["tokens"]))
+        / one_gpu,
+        "scaling": one_gpu / sum(step_s),
+        "rank_step_ms": [statistics.mean(r["step_s"]) * 1000 for r in own],  # each process's own mean step
+        "work_ms": [statistics.mean(w[r] for w in work) * 1000 for r in range(len(work[0]))],
+        "wait_ms": None
+        if job["mode"] == "hf ep"
+        else [statistics.mean(w[r] for w in waits) * 1000 for r in range(len(waits[0]))],
+        "imbalance": statistics.mean(max(w) / statistics.mean(w) - 1 for w in work),
+        "token_imbalance": statistics.mean(max(t) / statistics.mean(t) - 1 for t in rank_tokens)
+        if rank_tokens
+        else 0.0,
+        "first_steps_s": max(r["prime_s"] + sum(r["first_s"]) for r in own),
+        "peak_gib": max(r["peak"] for r in own) / 2**30 if own[0]["peak"] >= 0 else None,
+        "one_gpu_peak_gib": base[0][split]["peak"] / 2**30 if base[0][split]["peak"] >= 0 else None,
+    }
+
+
 def run(nproc: int, quick: bool, models=None, columns=None, modes=None, warmup=None, steps=None) -> list[dict]:
-    """Records of 1 and ``nproc`` processes per (model, mode, column); see the module docstring. Each rank
-    trains ``warmup`` untimed steps (default 2) and ``steps`` timed ones (default 3; 2 in the tiny configs).
-    ``ValueError`` where ``why_not`` says why it cannot run."""
+    """Records per (model, column, mode, split) of ``nproc`` processes (and of one process for ``ep``) against
+    the plain model on one GPU; see the module docstring. ``warmup``/``steps``: ``fastft.e2e.train.schedule``'s
+    (3 and 20; 1 and 2 in the tiny configs). ``ValueError`` where ``why_not`` says why it cannot run."""
     if why := why_not(nproc, models, columns, modes, quick):
         raise ValueError(why)
     gpu = torch.cuda.is_available()
     tiny = quick or not gpu
-    schedule = (2 if warmup is None else warmup, steps or (2 if tiny else 3))
+    warmup, steps = schedule(tiny, warmup, steps)
     device = torch.device("cuda" if gpu else "cpu")
     records = []
     for name in models or MODELS:
-        for mode in modes or ["ddp"]:
-            if mode in ("ep", "hf ep") and not is_moe(name):
+        todo = [m for m in modes or ["ddp"] if is_moe(name) or m not in ("ep", "hf ep")]
+        if not todo:
+            continue
+        for column in columns_here(device, columns or DEFAULT_COLUMNS):
+            if column == "naive glue":
                 continue
-            with tempfile.TemporaryDirectory() as tmp:
-                checkpoint = _checkpoint(name, tiny, tmp) if mode == "hf ep" else None
-                for column in columns_here(device, columns or DEFAULT_COLUMNS):
-                    if column == "naive glue" or (mode == "ep" and not COLUMNS[column].fastft):
-                        continue
-                    if why := why_not_on(column, name):
-                        print(f"{name}: {column!r} skipped: {why}", flush=True)
-                        continue
-                    for world in sorted({1, nproc}):
-                        r = _spawn(world, name, column, mode, tiny, checkpoint, schedule)
-                        one = next((p for p in records if p["world"] == 1 and _same(p, r)), r)
-                        r["scaling"] = r["tokens_per_s_per_gpu"] * world / one["tokens_per_s_per_gpu"]
-                        r["layers"] = model_config(name, tiny).num_hidden_layers
-                        records.append(r)
-                        peak = f"{r['peak_gib']:.2f} GiB" if r["peak_gib"] is not None else "n/a"
-                        print(
-                            f"{name:14s} {mode:6s} {column:16s} x{world}  {r['step_ms']:9.1f} ms/step  "
-                            f"{r['tokens_per_s_per_gpu']:9.0f} tok/s/GPU  scaling {r['scaling']:.2f}x  peak {peak}",
-                            flush=True,
-                        )
+            if why := why_not_on(column, name):
+                print(f"{name}: {column!r} skipped: {why}", flush=True)
+                continue
+            job = dict(name=name, column=column, tiny=tiny, parts=nproc, warmup=warmup, steps=steps, splits=SPLITS)
+            base = _spawn(1, dict(job, mode=None, checkpoint=None))
+            for mode in todo:
+                if mode == "ep" and not COLUMNS[column].fastft:
+                    continue
+                with tempfile.TemporaryDirectory() as tmp:
+                    checkpoint = _checkpoint(name, tiny, tmp) if mode == "hf ep" else None
+                    splits = ("rows",) if mode == "hf ep" else SPLITS
+                    mode_job = dict(job, mode=mode, checkpoint=checkpoint, splits=splits)
+                    for world in sorted({nproc, 1 if mode == "ep" else nproc}):
+                        ranks = _spawn(world, mode_job)
+                        for split in splits:
+                            r = _record(mode_job, world, split, ranks, base)
+                            records.append(r)
+                            print(_line(r), flush=True)
     return records
 
 
-def _same(a: dict, b: dict) -> bool:
-    return all(a[k] == b[k] for k in ("model", "column", "parallel"))
+def _line(r: dict) -> str:
+    peak = f"{r['peak_gib']:.2f} GiB" if r["peak_gib"] is not None else "n/a"
+    return (
+        f"{r['model']:14s} {r['parallel']:6s} {r['column']:16s} {r['split']:8s} x{r['world']}  "
+        f"{r['step_ms']:9.1f} ms/step  {r['tokens_per_s_per_gpu']:9.0f} tok/s/GPU  scaling {r['scaling']:.2f}x  "
+        f"imbalance {r['imbalance']:.1%}  peak {peak}"
+    )
 
 
 def format_table(records: list[dict]) -> str:
+    """The records as a markdown table: one row per (model, mode, column, split, processes)."""
     lines = [
-        "| model | layers | parallel | column | GPUs | step ms | tokens/s per GPU | scaling vs 1 | peak GiB (a rank) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | layers | parallel | column | split | GPUs | step ms | tokens/s per GPU | scaling vs 1 GPU | "
+        "work ms per rank | wait ms per rank | slowest rank vs mean | peak GiB per GPU (1 GPU) | first s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "n/a"
+        peak = f"{r['peak_gib']:.2f} ({r['one_gpu_peak_gib']:.2f})" if r["peak_gib"] is not None else "n/a"
+        split = r["world"] > 1 and r["wait_ms"] is not None  # ranks of their own shares
+        work = " / ".join(f"{w:.1f}" for w in r["work_ms"]) if split else "-"
+        wait = " / ".join(f"{w:.1f}" for w in r["wait_ms"]) if split else "-"
+        slowest = f"+{r['imbalance']:.1%}" if split else "-"
         lines.append(
-            f"| {r['model']} | {r['layers']} | {r['parallel']} | {r['column']} | {r['world']} | {r['step_ms']:.1f} | "
-            f"{r['tokens_per_s_per_gpu']:.0f} | {r['scaling']:.2f}x | {peak} |"
+            f"| {r['model']} | {r['layers']} | {r['parallel']} | {r['column']} | {r['split']} | {r['world']} | "
+            f"{r['step_ms']:.1f} | {r['tokens_per_s_per_gpu']:.0f} | {r['scaling']:.2f}x | {work} | {wait} | "
+            f"{slowest} | {peak} | {r['first_steps_s']:.1f} |"
         )
     return "\n".join(lines)

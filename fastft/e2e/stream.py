@@ -142,6 +142,34 @@ def packed_batch(lengths, vocab: int, generator: torch.Generator) -> PackedBatch
     return PackedBatch(ids, positions, labels, lengths, num_tokens)
 
 
+def regroup(rows, groups) -> list[PackedBatch]:
+    """The documents of ``rows`` (``PackedBatch``es; documents numbered in order, row by row) packed again, one
+    row per group of document numbers (in the group's order): how a balanced plan
+    (``fastft.balance_documents``) turns a global batch's rows into each rank's row. ``ValueError`` for an
+    empty group or a number out of range."""
+    documents, count = [], 0
+    for row in rows:
+        for n in row.seq_lengths:
+            cut = slice(count, count + n)
+            documents.append((row, cut, n))
+            count += n
+        count = 0
+    out = []
+    for g, group in enumerate(groups):
+        if not len(group):
+            raise ValueError(f"groups[{g}] is empty: a packed row holds at least one document")
+        if any(not 0 <= i < len(documents) for i in group):
+            raise ValueError(f"groups[{g}] has document numbers outside [0, {len(documents)})")
+        parts = [documents[i] for i in group]
+        fields = {
+            f: torch.cat([getattr(r, f)[:, cut] for r, cut, _ in parts], 1)
+            for f in ("input_ids", "position_ids", "labels")
+        }
+        lengths = tuple(n for _, _, n in parts)
+        out.append(PackedBatch(**fields, seq_lengths=lengths, num_tokens=sum(lengths)))
+    return out
+
+
 def packed_stream(
     kind: str,
     budget: int,
@@ -195,12 +223,6 @@ def model_stream(name: str, kind: str, tiny: bool, device=None, seed: int = 0):
 def stream_batches(name: str, kind: str, tiny: bool, count: int, device=None, seed: int = 0) -> list[PackedBatch]:
     """The first ``count`` batches of ``model_stream``."""
     return list(itertools.islice(model_stream(name, kind, tiny, device, seed), count))
-
-
-def make_batch(name: str, device, tiny: bool, seed: int = 0) -> tuple[dict, list[int]]:
-    """The model's first fixed-length batch of stream ``seed`` as model inputs, and its document lengths."""
-    (batch,) = stream_batches(name, "fixed", tiny, 1, device, seed)
-    return batch.inputs(), list(batch.seq_lengths)
 
 
 def step_inputs(batch: PackedBatch, padded_budget: int | None = None, host_lengths: bool = False):

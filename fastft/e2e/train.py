@@ -118,13 +118,6 @@ def train_primed(model, inputs, warmup: int, device, on_step: OnStep | None = No
     )
 
 
-def step_ms(model, batch, steps: int, device, warmup: int = 2) -> tuple[float, int, float]:
-    """The same ``batch`` ``warmup`` untimed and ``steps`` timed times: (median step ms, peak bytes (CUDA graph
-    pools included), first step's loss)."""
-    result = train(model, [batch] * (warmup + steps), warmup, device)
-    return statistics.median(result.seconds[warmup:]) * 1000, result.peak_bytes, result.losses[0]
-
-
 def record(
     name: str,
     kind: str,

@@ -11,21 +11,23 @@ choices that decide how it scales.
 ``layout``:
 
 - ``"trainable"``: only the trainable parameters are sharded; the frozen ones (a LoRA base) stay whole on every
-  rank, as loaded: never gathered, never reduced (they get no gradient). Each step moves the adapters only,
-  so it scales like DDP, at the memory of a whole frozen base per GPU.
+  rank, as loaded: never gathered, never reduced (they get no gradient). The model is one FSDP2 unit: the
+  adapters are gathered once before the forward and their gradients reduce-scattered once after the backward
+  (a unit per layer pays FSDP2's per-unit cost, collectives and host work, for a few megabytes each: measured
+  in docs/benchmarks.md). Each step moves the adapters only, so it scales like DDP, at the memory of a whole frozen
+  base per GPU and a share of the adapters' optimizer state.
 - ``"full"``: every parameter sharded, as ``fully_shard`` alone does: full fine-tuning, or a frozen base too
   large for one GPU. Each layer's weights are gathered before its forward, and again before its backward
   (the recompute) unless ``reshard_after_forward=False``.
 - ``"auto"`` (default): ``"trainable"`` when some parameters are frozen, else ``"full"``.
 
 ``reshard_after_forward`` (default: False for ``"trainable"``, whose gathered adapters are small; True for
-``"full"``): whether a layer frees its gathered weights after its forward (memory) or keeps them until its
-backward (one all-gather per layer fewer). The root module (embeddings, norm, head) always keeps them: its
-backward comes first. ``prefetch`` (default 1): each decoder layer starts the all-gather of the next
-``prefetch`` layers in forward order, and in backward of the ones before it (explicit prefetch; 0 leaves
-FSDP2's implicit one, which only starts a gather once the CPU reaches that layer).
-
-Each decoder layer is one FSDP2 unit and the model the root unit. fastft's expert-parallel experts
+``"full"``): whether a unit frees its gathered weights after its forward (memory) or keeps them until its
+backward (one all-gather fewer). Under ``"full"`` each decoder layer is one FSDP2 unit and the model the root
+unit, which always keeps its weights (embeddings, norm, head: its backward comes first); ``prefetch`` (default
+1): each decoder layer starts the all-gather of the next ``prefetch`` layers in forward order, and in backward
+of the ones before it (explicit prefetch; 0 leaves FSDP2's implicit one, which only starts a gather once the
+CPU reaches that layer). ``"trainable"`` has one unit: nothing to prefetch. fastft's expert-parallel experts
 (``use_expert_parallel``) are left to expert parallelism (``ignored_params``) by itself. ``mesh``: FSDP2's
 device mesh (None: every rank of the default group; a 2-D ``(replicate, shard)`` mesh gives HSDP, e.g.
 whole copies across nodes and shards within each node).
@@ -100,6 +102,8 @@ def shard(
     if reshard_after_forward is None:
         reshard_after_forward = layout == "full"
     options = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), ignored_params=ignored or None)
+    if layout == "trainable":
+        return fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=False, **options)

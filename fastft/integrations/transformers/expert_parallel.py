@@ -80,7 +80,7 @@ def use_expert_parallel(model, group=None):
         for name in names:
             full = getattr(block, name)
             part = torch.nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone(), full.requires_grad)
-            if part.requires_grad:
+            if part.requires_grad and world > 1:
                 part.register_hook(functools.partial(torch.div, other=world))
             setattr(block, name, part)
         params = tuple(getattr(block, n) for n in names)

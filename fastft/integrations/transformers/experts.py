@@ -115,7 +115,7 @@ def experts_forward(
         up_lora=lora.get(up_name),
         down_lora=lora.get(down_name),
     )
-    if shard is None:
+    if shard is None or shard.world == 1:  # a group of one rank holds every expert: nothing to send
         return local(hidden_states, top_k_index, top_k_weights)
     out = moe_expert_parallel(
         hidden_states,
