@@ -14,6 +14,10 @@ column per head when ``sinks`` is given). Two implementations:
   reference's fp32 masked softmax when there are sinks. Memory grows with T squared: for CPUs, short
   sequences, and fp32.
 
+Values may have their own head dim (``Dv``, MLA layers: DeepSeek-V3, Kimi-Linear): the output has it. The flash
+kernels take one head dim, so there q/k or v are zero-padded to the larger one and the output cut back (as
+transformers does for flash-attn); padding q and k with zeros leaves their dot products as they were.
+
 ``impl=None`` (or ``"auto"``) takes ``flash`` where it runs, else ``dense``. (``impl``, not ``backend``: a
 dispatch backend picks Triton or torch for one op; these are two torch implementations.) ``flash_op`` and
 ``flash_reason`` are the op layer, for the benchmarks: not public.
@@ -107,16 +111,19 @@ class _SinkAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None, None
 
 
-def flash_reason(q, k, sinks, dropout_p, window) -> str | None:
-    """Why the flash path cannot run this call (``[B, T, H, D]`` q and k), or None when it can."""
+def flash_reason(q, k, sinks, dropout_p, window, v_head_dim: int | None = None) -> str | None:
+    """Why the flash path cannot run this call (``[B, T, H, D]`` q and k; values of ``v_head_dim``, default
+    D), or None when it can."""
     if not q.is_cuda:
         return "it needs CUDA tensors"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"it needs fp16/bf16, got {q.dtype}"
     if dropout_p:
         return "it runs without dropout"
-    if q.shape[-1] % 8 or q.shape[-1] > 256:
-        return f"it needs a head dim that is a multiple of 8 up to 256, got {q.shape[-1]}"
+    dims = {q.shape[-1], v_head_dim or q.shape[-1]}
+    if any(d % 8 or d > 256 for d in dims):
+        what = " and ".join(str(d) for d in sorted(dims))
+        return f"it needs head dims that are multiples of 8 up to 256, got {what}"
     if not capabilities.flash_attention(q.device):
         return f"{capabilities.arch(q.device)} has no torch flash attention kernels"
     if sinks is None:
@@ -186,13 +193,19 @@ def _check_tensors(q, k, v) -> None:
 def _check(q, k, v, info, window, sinks, scale, dropout_p, impl) -> None:
     if q.dim() not in (3, 4):
         raise ValueError(f"q must be [B, T, H, D] or [T, H, D], got shape {tuple(q.shape)}")
-    if k.shape != v.shape or k.dim() != q.dim() or k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+    if (
+        k.dim() != q.dim()
+        or v.dim() != q.dim()
+        or k.shape[:-2] != q.shape[:-2]
+        or k.shape[-1] != q.shape[-1]
+        or v.shape[:-1] != k.shape[:-1]
+    ):
         raise ValueError(
-            f"k and v must be [..., T, H_kv, D] matching q's tokens and head dim: q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+            f"k must be [..., T, H_kv, D] matching q's tokens and head dim, and v [..., T, H_kv, Dv] matching k's "
+            f"tokens and heads: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if q.shape[-1] < 1:
-        raise ValueError(f"q, k and v must have a head dim D >= 1, got shape {tuple(q.shape)}")
+    if q.shape[-1] < 1 or v.shape[-1] < 1:
+        raise ValueError(f"q, k and v must have head dims >= 1, got q {tuple(q.shape)}, v {tuple(v.shape)}")
     if k.shape[-2] < 1 or q.shape[-2] % k.shape[-2]:
         raise ValueError(f"q's {q.shape[-2]} heads must be a multiple of k/v's {k.shape[-2]} (grouped-query attention)")
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -237,9 +250,10 @@ def packed_attention(
     dropout_p: float = 0.0,
     impl: str | None = None,
 ) -> torch.Tensor:
-    """Causal attention inside each document of ``info``; returns q's shape, ``[B, T, H, D]`` (or ``[T, H, D]``).
+    """Causal attention inside each document of ``info``; returns ``[B, T, H, Dv]`` (or ``[T, H, Dv]``).
 
-    ``q`` is ``[B, T, H, D]`` or ``[T, H, D]``, ``k``/``v`` the same with ``H_kv`` heads (``H % H_kv == 0``);
+    ``q`` is ``[B, T, H, D]`` or ``[T, H, D]``, ``k`` the same with ``H_kv`` heads (``H % H_kv == 0``), ``v``
+    as ``k`` with its own head dim ``Dv`` (MLA; usually ``D``);
     ``info`` describes these ``B * T`` tokens (``packed_seq_info``). ``window``: keys a query sees,
     itself included (``None`` or <= 0: all earlier keys of its document). ``sinks``: ``[H]`` logits of a
     per-head sink (gpt-oss). ``scale``: default ``D ** -0.5``. ``dropout_p``: on the attention
@@ -261,14 +275,16 @@ def packed_attention(
     flat = q.dim() == 3
     if flat:
         q, k, v = q[None], k[None], v[None]
-    why_not = flash_reason(q, k, sinks, dropout_p, window) if impl != "dense" else "dense was asked for"
+    dv = v.shape[-1]
+    why_not = flash_reason(q, k, sinks, dropout_p, window, dv) if impl != "dense" else "dense was asked for"
     if impl == "flash" and why_not:
         raise ValueError(f"impl='flash' cannot run this call: {why_not}")
     if why_not is None:
-        b, t, h, d = q.shape
-        flat_qkv = (x.reshape(b * t, x.shape[2], d) for x in (q, k, v))
+        b, t, h = q.shape[:3]
+        d = max(q.shape[-1], dv)  # one head dim for the kernels: zeros added to the smaller (see the module doc)
+        flat_qkv = (F.pad(x, (0, d - x.shape[-1])).reshape(b * t, x.shape[2], d) for x in (q, k, v))
         out = flash_op(*flat_qkv, info.cu_seqlens, info.max_seqlen, scale, window, sinks)
-        out = out.view(b, t, h, d)
+        out = out.view(b, t, h, d)[..., :dv]
     else:
         out = _dense(q, k, v, info, window, sinks, scale, dropout_p)
     return out[0] if flat else out

@@ -12,11 +12,15 @@ from fastft.reference import attention as reference
 GPU = torch.cuda.is_available()
 
 
-def random_case(g, lengths, batch=1, heads=4, kv_heads=2, dim=16, sinks=False, dtype=torch.float32, device="cpu"):
-    """q, k, v ``[B, T, H(_kv), D]``, position ids of ``lengths`` per row, sinks ``[H]`` or None."""
+def random_case(
+    g, lengths, batch=1, heads=4, kv_heads=2, dim=16, sinks=False, dtype=torch.float32, device="cpu", v_dim=None
+):
+    """q, k ``[B, T, H(_kv), D]``, v ``[B, T, H_kv, v_dim or D]``, position ids of ``lengths`` per row, sinks
+    ``[H]`` or None."""
     t = sum(lengths)
     q = torch.randn(batch, t, heads, dim, generator=g)
-    k, v = torch.randn(2, batch, t, kv_heads, dim, generator=g)
+    k = torch.randn(batch, t, kv_heads, dim, generator=g)
+    v = torch.randn(batch, t, kv_heads, v_dim or dim, generator=g)
     s = torch.randn(heads, generator=g) if sinks else None
     positions = torch.cat([torch.arange(n) for n in lengths]).repeat(batch, 1)
     to = lambda x: None if x is None else x.to(device, dtype)  # noqa: E731
@@ -27,7 +31,7 @@ def brute_force(q, k, v, positions, window, sinks, scale):
     """Python loops over one row: the rules, spelled out."""
     t, h, _ = q.shape
     doc = (positions == 0).cumsum(0)
-    out = torch.zeros_like(q, dtype=torch.float64)
+    out = torch.zeros(t, h, v.shape[-1], dtype=torch.float64)
     for i in range(t):
         keys = [j for j in range(i + 1) if doc[j] == doc[i] and (not window or i - j < window)]
         for head in range(h):
@@ -71,6 +75,47 @@ def test_dense_path_matches_reference_with_gradients(batch, window, sinks, rng):
     for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
         if b is not None:
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("v_dim", [8, 24])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_values_with_their_own_head_dim(v_dim, sinks, rng):
+    """MLA layers (DeepSeek-V3, Kimi-Linear): values of another head dim than queries and keys; the output has
+    the values' head dim. The reference against the rules, the dense path against the reference."""
+    lengths = torch.randint(1, 9, (3,), generator=rng).tolist()
+    q, k, v, positions, s = random_case(rng, lengths, v_dim=v_dim, sinks=sinks)
+    info = fastft.packed_seq_info(position_ids=positions)
+    want = brute_force(q[0], k[0], v[0], positions[0], None, s, 0.3)
+    got = reference.packed_attention(q, k, v, info.doc_ids, 0, s, 0.3)[0].double()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    got = grads(lambda *t: fastft.packed_attention(*t[:3], info, sinks=t[3], scale=0.3), q, k, v, s)
+    ref = grads(lambda *t: reference.packed_attention(*t[:3], info.doc_ids, 0, t[3], 0.3), q, k, v, s)
+    assert got[0].shape == (*q.shape[:3], v_dim)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, ref):
+        if b is not None:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("v_dim", [8, 24])
+def test_flash_path_pads_to_one_head_dim(v_dim, monkeypatch, rng):
+    """The flash kernels take one head dim: q/k or v are zero-padded to the larger and the output cut back.
+    Checked on any device with the kernel replaced by the reference over the flattened stream (which asserts
+    the one head dim); the kernel itself on a GPU below."""
+    from fastft import attention
+
+    def kernel(q, k, v, cu_seqlens, max_seqlen, scale, window, sinks):
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1] == max(16, v_dim)
+        doc = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), cu_seqlens.diff().cpu())
+        return reference.packed_attention(q[None], k[None], v[None], doc[None], window or 0, sinks, scale)[0]
+
+    monkeypatch.setattr(attention, "flash_reason", lambda *args: None)
+    monkeypatch.setattr(attention, "flash_op", kernel)
+    q, k, v, positions, _ = random_case(rng, [3, 6, 2], batch=2, v_dim=v_dim)
+    info = fastft.packed_seq_info(position_ids=positions)
+    got = grads(lambda *t: fastft.packed_attention(*t, info, impl="flash"), q, k, v)
+    want = grads(lambda *t: reference.packed_attention(*t, info.doc_ids, 0, None, 16**-0.5), q, k, v)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_unbatched_and_flattened_layouts(rng):
@@ -125,7 +170,9 @@ def test_bad_input():
         ((q.tolist(), k, v, info), {}, TypeError, "q must be a tensor"),
         ((q.long(), k, v, info), {}, TypeError, "q must be floating point"),
         ((q[0, 0], k, v, info), {}, ValueError, r"q must be \[B, T, H, D\] or \[T, H, D\]"),
-        ((q, k[:, :5], v, info), {}, ValueError, "k and v must be"),
+        ((q, k[:, :5], v, info), {}, ValueError, "k must be .* and v"),
+        ((q, k, v[:, :5], info), {}, ValueError, "k must be .* and v"),
+        ((q, k, torch.randn(1, 6, 4, 8), info), {}, ValueError, "v .*matching k's tokens and heads"),
         ((q, torch.randn(1, 6, 3, 8), torch.randn(1, 6, 3, 8), info), {}, ValueError, "multiple of k/v's 3"),
         ((q, k.double(), v.double(), info), {}, TypeError, "share a dtype"),
         ((q, k, v, "info"), {}, TypeError, "info must be a PackedSeqInfo"),
@@ -137,7 +184,8 @@ def test_bad_input():
         ((q, k, v, info), {"scale": float("nan")}, ValueError, "scale must be finite"),
         ((q, k, v, info), {"dropout_p": 1.0}, ValueError, r"dropout_p must be in \[0, 1\)"),
         ((q, k, v, info), {"impl": "triton"}, ValueError, "impl must be one of"),
-        ((q[..., :0], k[..., :0], v[..., :0], info), {}, ValueError, "head dim D >= 1, got shape"),
+        ((q[..., :0], k[..., :0], v[..., :0], info), {}, ValueError, "head dims >= 1, got"),
+        ((q, k, v[..., :0], info), {}, ValueError, "head dims >= 1, got"),
         ((q.to("meta"), k, v, info), {}, ValueError, "q must hold data .* got a meta tensor"),
         ((q, k, v.to("meta"), info), {}, ValueError, "v must hold data .* got a meta tensor"),
     ]
@@ -163,6 +211,17 @@ def test_flash_path_matches_reference_on_gpu(window, sinks, rng):
     for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
         if b is not None:
             torch.testing.assert_close(a.float(), b, atol=2e-2 * float(b.abs().max()), rtol=2e-2, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v_dim", [32, 128])
+def test_flash_path_with_another_value_head_dim_on_gpu(v_dim, rng):
+    q, k, v, positions, _ = random_case(rng, [1, 23, 9, 47], heads=8, kv_heads=2, dim=64, v_dim=v_dim, device="cuda")
+    info = fastft.packed_seq_info(position_ids=positions)
+    got = grads(lambda *t: fastft.packed_attention(*t, info, impl="flash"), *(x.bfloat16() for x in (q, k, v)))
+    want = grads(lambda *t: reference.packed_attention(*t, info.doc_ids, 0, None, 0.125), q, k, v)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a.float(), b, atol=2e-2 * float(b.abs().max()), rtol=2e-2, msg=name)
 
 
 @pytest.mark.gpu

@@ -138,11 +138,11 @@ HYBRIDS = {
         moe_intermediate_size=16,
         shared_expert_intermediate_size=16,
     ),
-    # Kimi-Linear's attention layers (MLA) with the value head dim of the queries' (16)
+    # Kimi-Linear's attention layers (MLA) with values of another head dim (8) than queries' (16), as its checkpoints
     "kimi_linear": dict(
         layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"], linear_num_heads=2,
         linear_head_dim=8, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, pad_token_id=0, bos_token_id=1,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0, bos_token_id=1,
         eos_token_id=2,
     ),
     # Mamba-2: 4 heads of 16 (the stock chunk of 4 tokens, so that documents span chunks)

@@ -88,7 +88,7 @@ def _naive_attention(
     window = int(sliding_window) if sliding_window else None
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     sinks = getattr(module, "sinks", None)
-    if sinks is None and attention.flash_reason(q, k, None, dropout, window) is None:
+    if sinks is None and v.shape[-1] == q.shape[-1] and attention.flash_reason(q, k, None, dropout, window) is None:
         b, t, h, d = q.shape
         flat_qkv = (x.reshape(b * t, x.shape[2], d) for x in (q, k, v))
         out = attention.flash_op(*flat_qkv, cu, max_seqlen, scaling or d**-0.5, window, None)

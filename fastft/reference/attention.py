@@ -26,7 +26,7 @@ def packed_attention(
     scale: float,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """``q [B, T, H, D]``, ``k``/``v`` ``[B, T, H_kv, D]``, ``doc_ids [B, T]`` -> ``[B, T, H, D]``."""
+    """``q [B, T, H, D]``, ``k [B, T, H_kv, D]``, ``v [B, T, H_kv, Dv]``, ``doc_ids [B, T]`` -> ``[B, T, H, Dv]``."""
     groups = q.shape[2] // k.shape[2]
     k = einops.repeat(k.float(), "b t hk d -> b t (hk g) d", g=groups)
     v = einops.repeat(v.float(), "b t hk d -> b t (hk g) d", g=groups)
