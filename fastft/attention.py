@@ -156,7 +156,7 @@ def flash_op(q, k, v, cu_seqlens, max_seqlen: int, scale: float, window, sinks):
 
 
 def _dense(q, k, v, info, window, sinks, scale, dropout_p):
-    """``[B, T, H, D]`` inputs -> ``[B, T, H, D]``, on the info's own rows when they are ``[B, T]``
+    """``[B, T, H, D]`` inputs (v ``[..., Dv]``) -> ``[B, T, H, Dv]``, on the info's own rows when they are ``[B, T]``
     (documents never cross them), else on the flattened stream as one row."""
     b, t = q.shape[:2]
     rows = tuple(info.shape) == (b, t)
@@ -282,9 +282,11 @@ def packed_attention(
     if why_not is None:
         b, t, h = q.shape[:3]
         d = max(q.shape[-1], dv)  # one head dim for the kernels: zeros added to the smaller (see the module doc)
-        flat_qkv = (F.pad(x, (0, d - x.shape[-1])).reshape(b * t, x.shape[2], d) for x in (q, k, v))
-        out = flash_op(*flat_qkv, info.cu_seqlens, info.max_seqlen, scale, window, sinks)
-        out = out.view(b, t, h, d)[..., :dv]
+        padded = (x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1])) for x in (q, k, v))
+        out = flash_op(
+            *(x.reshape(b * t, x.shape[2], d) for x in padded), info.cu_seqlens, info.max_seqlen, scale, window, sinks
+        )
+        out = out.view(b, t, h, d) if dv == d else out.view(b, t, h, d)[..., :dv].contiguous()
     else:
         out = _dense(q, k, v, info, window, sinks, scale, dropout_p)
     return out[0] if flat else out

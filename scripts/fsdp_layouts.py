@@ -13,8 +13,8 @@ Modes (``--mode``, repeatable; default all):
 - ``ddp``: ``DistributedDataParallel`` (LoRA: only the adapters are reduced);
 - ``fsdp2``: ``fully_shard`` on each decoder layer and the root, FSDP2's defaults (every parameter sharded,
   resharded after forward, implicit prefetch);
-- ``shard``: ``shard(model)`` (LoRA: the frozen base whole on every rank, the adapters sharded and kept
-  gathered from forward to backward; full fine-tuning: as ``shard-full``), one layer prefetched;
+- ``shard``: ``shard(model)`` (LoRA: the frozen base whole on every rank, the adapters sharded in one unit and
+  kept gathered from forward to backward; full fine-tuning: as ``shard-full``);
 - ``shard-full``: ``shard(model, layout="full")``: every parameter sharded, one layer prefetched;
 - ``shard-full-keep``: ``shard(model, layout="full", reshard_after_forward=False)``.
 Every FSDP2 mode runs bf16 parameters with fp32 gradient reduction (``MixedPrecisionPolicy``).

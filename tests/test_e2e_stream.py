@@ -109,6 +109,35 @@ def test_distributed_shares_hold_the_same_documents_both_ways(world):
         distributed.shares("Qwen3-0.6B", True, 2, 1, "sorted")
 
 
+def test_distributed_records_from_each_rank_and_one_gpu():
+    """The numbers of ``e2e --nproc`` from hand-made step times: two steps of two shares each."""
+    from fastft.e2e.distributed import _record
+
+    def result(step_s, tokens):
+        return {"step_s": step_s, "tokens": tokens, "prime_s": 1.0, "first_s": [0.5], "peak": 2**30}
+
+    base = [{"rows": result([1.0, 3.0, 2.0, 2.0], [100, 300, 200, 200])}]  # [step 0: share 0, 1; step 1: ...]
+    job = dict(name="Qwen3-0.6B", tiny=True, column="fastft", parts=2, steps=2, warmup=1, mode="ddp")
+    ranks = [{"rows": result([3.5, 2.5], [100, 200])}, {"rows": result([3.4, 2.4], [300, 200])}]
+    r = _record(job, 2, "rows", ranks, base)
+    assert r["step_ms"] == pytest.approx(3000.0)  # the slowest rank's steps: 3.5 and 2.5 s
+    assert r["scaling"] == pytest.approx(8.0 / 6.0)  # one GPU: 8 s for the same shares
+    assert r["tokens_per_s_per_gpu"] == pytest.approx(800 / 6.0 / 2)
+    assert r["one_gpu_tokens_per_s"] == pytest.approx(100.0)
+    assert r["work_ms"] == pytest.approx([1500.0, 2500.0]) and r["wait_ms"] == pytest.approx([1500.0, 500.0])
+    assert r["imbalance"] == pytest.approx((1.5 + 1.0) / 2 - 1)  # step 0: 3 / 2; step 1: 2 / 2
+    assert r["token_imbalance"] == pytest.approx((1.5 + 1.0) / 2 - 1)
+    assert r["rank_step_ms"] == pytest.approx([3000.0, 2900.0]) and r["first_steps_s"] == pytest.approx(1.5)
+
+    one = _record(dict(job, mode="ep"), 1, "rows", [{"rows": result([1.1, 3.1, 2.0, 2.2], [100, 300, 200, 200])}], base)
+    assert one["step_ms"] == pytest.approx(4200.0) and one["scaling"] == pytest.approx(8.0 / 8.4)
+    assert one["work_ms"] is one["wait_ms"] is one["imbalance"] is None
+
+    hf = _record(dict(job, mode="hf ep"), 2, "rows", [{"rows": result([0.8, 1.6], [100, 200])}] * 2, base)
+    assert hf["scaling"] == pytest.approx(3.0 / 2.4)  # one GPU: rank 0's shares alone, 1 + 2 s
+    assert hf["tokens_per_s_per_gpu"] == pytest.approx(300 / 2.4 / 2) and hf["wait_ms"] is None
+
+
 def test_pack():
     assert pack("fixed", [5, 7, 9], 10) == [5, 5]
     assert pack("padding-free", [5, 7, 9], 10) == [5]

@@ -27,10 +27,15 @@ Modes (``--parallel``, repeatable; default ``ddp``):
 - ``shard``: ``fastft.integrations.fsdp.shard`` (LoRA: the frozen base whole on every rank, the adapters
   sharded), the same precision policy;
 - ``ep`` (MoE, fastft columns): ``use_expert_parallel`` (all-to-all) and DDP for the rest; also run with one
-  process over every share, against the plain model;
+  process over every share, against the plain model. A rank's work is still the plain model on its share, so
+  its wait also holds what expert parallelism adds: the all-to-alls, their host syncs and the experts' uneven
+  load over ranks;
 - ``hf ep`` (MoE): transformers' own expert-parallel plan (``DistributedConfig(tp_plan="auto",
   enable_expert_parallel=True)``, the model loaded from a checkpoint this module writes); every rank runs the
-  same tokens (rank 0's share of ``rows``), so tokens/s per GPU counts each token once over the group.
+  same tokens (rank 0's share of ``rows``), so tokens/s per GPU counts each token once over the group (no work,
+  wait or imbalance per rank; the one-GPU base is rank 0's shares alone).
+
+Records of one process (``ep``, or ``--nproc 1``) have no work, wait or imbalance per rank either.
 """
 
 from __future__ import annotations
@@ -244,24 +249,22 @@ def _checkpoint(name: str, tiny: bool, path: str) -> str:
 
 def _record(job, world, split, ranks, base) -> dict:
     """The record of ``job`` on ``world`` processes and ``split`` from each rank's results (``ranks``) and the
-    plain model's on one GPU (``base``, every share of each step in rank order)."""
-    parts, steps = job["parts"], job["steps"]
+    plain model's on one GPU (``base``, every share of each step in rank order). Per-rank work, wait and
+    imbalance where ranks train shares of their own (several processes, not ``hf ep``); None otherwise."""
+    parts, steps, hf = job["parts"], job["steps"], job["mode"] == "hf ep"
     own = [r[split] for r in ranks]
     alone = base[0][split]["step_s"]
     work = [alone[i * parts : (i + 1) * parts] for i in range(steps)]  # [step][rank]: each share alone
-    if world == 1:
-        group = own[0]["step_s"]
-        step_s = [sum(group[i * parts : (i + 1) * parts]) for i in range(steps)]  # a global step on one GPU
-        tokens = sum(own[0]["tokens"])
-        waits = [[0.0] * parts for _ in range(steps)]
+    if world == 1:  # every share of each step, one after another: a global step on one GPU
+        step_s = [sum(own[0]["step_s"][i * parts : (i + 1) * parts]) for i in range(steps)]
+    else:  # the group steps at the slowest rank's pace
+        step_s = [max(r["step_s"][i] for r in own) for i in range(steps)]
+    if hf:  # every rank runs rank 0's share: the same tokens once, on one GPU rank 0's shares alone
+        tokens, one_gpu = sum(own[0]["tokens"]), sum(w[0] for w in work)
     else:
-        step_s = [max(r["step_s"][i] for r in own) for i in range(steps)]  # the group steps at the slowest's pace
-        tokens = sum(own[0]["tokens"]) if job["mode"] == "hf ep" else sum(sum(r["tokens"]) for r in own)
-        if job["mode"] == "hf ep":  # every rank runs rank 0's share, its experts split: no rank's work alone
-            work = [[w[0]] * world for w in work]
-        waits = [[step_s[i] - work[i][r] for r in range(world)] for i in range(steps)]
-    rank_tokens = [[r["tokens"][i] for r in own] for i in range(steps)] if world > 1 else None
-    one_gpu = sum(w[0] for w in work) if job["mode"] == "hf ep" else sum(alone)  # the same tokens on one GPU
+        tokens, one_gpu = sum(sum(r["tokens"]) for r in own), sum(alone)
+    shared = world > 1 and not hf  # ranks of their own shares
+    tokens_per_rank = [[r["tokens"][i] for r in own] for i in range(steps)]
     return {
         "model": job["name"],
         "layers": model_config(job["name"], job["tiny"]).num_hidden_layers,
@@ -273,18 +276,17 @@ def _record(job, world, split, ranks, base) -> dict:
         "steps": steps,
         "step_ms": statistics.mean(step_s) * 1000,
         "tokens_per_s_per_gpu": tokens / sum(step_s) / world,
-        "one_gpu_tokens_per_s": (sum(own[0]["tokens"]) if job["mode"] == "hf ep" else sum(base[0][split]["tokens"]))
-        / one_gpu,
+        "one_gpu_tokens_per_s": tokens / one_gpu,
         "scaling": one_gpu / sum(step_s),
         "rank_step_ms": [statistics.mean(r["step_s"]) * 1000 for r in own],  # each process's own mean step
-        "work_ms": [statistics.mean(w[r] for w in work) * 1000 for r in range(len(work[0]))],
-        "wait_ms": None
-        if job["mode"] == "hf ep"
-        else [statistics.mean(w[r] for w in waits) * 1000 for r in range(len(waits[0]))],
-        "imbalance": statistics.mean(max(w) / statistics.mean(w) - 1 for w in work),
-        "token_imbalance": statistics.mean(max(t) / statistics.mean(t) - 1 for t in rank_tokens)
-        if rank_tokens
-        else 0.0,
+        "work_ms": [statistics.mean(w[r] for w in work) * 1000 for r in range(world)] if shared else None,
+        "wait_ms": [statistics.mean(step_s[i] - work[i][r] for i in range(steps)) * 1000 for r in range(world)]
+        if shared
+        else None,
+        "imbalance": statistics.mean(max(w) / statistics.mean(w) - 1 for w in work) if shared else None,
+        "token_imbalance": statistics.mean(max(t) / statistics.mean(t) - 1 for t in tokens_per_rank)
+        if shared
+        else None,
         "first_steps_s": max(r["prime_s"] + sum(r["first_s"]) for r in own),
         "peak_gib": max(r["peak"] for r in own) / 2**30 if own[0]["peak"] >= 0 else None,
         "one_gpu_peak_gib": base[0][split]["peak"] / 2**30 if base[0][split]["peak"] >= 0 else None,
@@ -312,11 +314,13 @@ def run(nproc: int, quick: bool, models=None, columns=None, modes=None, warmup=N
             if why := why_not_on(column, name):
                 print(f"{name}: {column!r} skipped: {why}", flush=True)
                 continue
-            job = dict(name=name, column=column, tiny=tiny, parts=nproc, warmup=warmup, steps=steps, splits=SPLITS)
-            base = _spawn(1, dict(job, mode=None, checkpoint=None))
-            for mode in todo:
-                if mode == "ep" and not COLUMNS[column].fastft:
-                    continue
+            runs = [m for m in todo if m != "ep" or COLUMNS[column].fastft]
+            if not runs:
+                continue
+            needed = tuple(s for s in SPLITS if any(m != "hf ep" or s == "rows" for m in runs))
+            job = dict(name=name, column=column, tiny=tiny, parts=nproc, warmup=warmup, steps=steps)
+            base = _spawn(1, dict(job, mode=None, checkpoint=None, splits=needed))
+            for mode in runs:
                 with tempfile.TemporaryDirectory() as tmp:
                     checkpoint = _checkpoint(name, tiny, tmp) if mode == "hf ep" else None
                     splits = ("rows",) if mode == "hf ep" else SPLITS
@@ -334,8 +338,9 @@ def _line(r: dict) -> str:
     peak = f"{r['peak_gib']:.2f} GiB" if r["peak_gib"] is not None else "n/a"
     return (
         f"{r['model']:14s} {r['parallel']:6s} {r['column']:16s} {r['split']:8s} x{r['world']}  "
-        f"{r['step_ms']:9.1f} ms/step  {r['tokens_per_s_per_gpu']:9.0f} tok/s/GPU  scaling {r['scaling']:.2f}x  "
-        f"imbalance {r['imbalance']:.1%}  peak {peak}"
+        f"{r['step_ms']:9.1f} ms/step  {r['tokens_per_s_per_gpu']:9.0f} tok/s/GPU  scaling {r['scaling']:.2f}x"
+        + (f"  slowest rank +{r['imbalance']:.1%}" if r["imbalance"] is not None else "")
+        + f"  peak {peak}"
     )
 
 
@@ -348,10 +353,10 @@ def format_table(records: list[dict]) -> str:
     ]
     for r in records:
         peak = f"{r['peak_gib']:.2f} ({r['one_gpu_peak_gib']:.2f})" if r["peak_gib"] is not None else "n/a"
-        split = r["world"] > 1 and r["wait_ms"] is not None  # ranks of their own shares
-        work = " / ".join(f"{w:.1f}" for w in r["work_ms"]) if split else "-"
-        wait = " / ".join(f"{w:.1f}" for w in r["wait_ms"]) if split else "-"
-        slowest = f"+{r['imbalance']:.1%}" if split else "-"
+        shared = r["work_ms"] is not None  # ranks of their own shares
+        work = " / ".join(f"{w:.1f}" for w in r["work_ms"]) if shared else "-"
+        wait = " / ".join(f"{w:.1f}" for w in r["wait_ms"]) if shared else "-"
+        slowest = f"+{r['imbalance']:.1%}" if shared else "-"
         lines.append(
             f"| {r['model']} | {r['layers']} | {r['parallel']} | {r['column']} | {r['split']} | {r['world']} | "
             f"{r['step_ms']:.1f} | {r['tokens_per_s_per_gpu']:.0f} | {r['scaling']:.2f}x | {work} | {wait} | "

@@ -45,7 +45,8 @@ def attention_forward(
     """transformers attention function ``"fastft"``: ``fastft.packed_attention`` (causal attention inside
     each document only) with the layer's window, scale, dropout and attention sinks (gpt-oss).
 
-    ``query`` is ``[B, H, T, D]``, ``key``/``value`` ``[B, H_kv, T, D]``; returns (``[B, T, H, D]``, None).
+    ``query`` is ``[B, H, T, D]``, ``key`` ``[B, H_kv, T, D]``, ``value`` ``[B, H_kv, T, Dv]`` (``Dv``: MLA's own
+    value head dim, usually ``D``); returns (``[B, T, H, Dv]``, None).
     The ``PackedSeqInfo`` comes from the decoder stack's pre-hook (built once per forward, see
     ``use_packed_attention``), or from the layer's own ``position_ids`` / ``cu_seq_lens_q`` when the layer is
     called without that hook.
