@@ -258,17 +258,19 @@ def _chunked_per_channel(query, key, v_beta, k_beta, decay, table: ChunkTable, b
     transformers' ``chunk_kimi_delta_attention``: the decays between two tokens differ per channel, so the
     products that the per-head form scales by one decay are taken channel by channel (``pairwise``)."""
     h, num_chunks, c, _ = query.shape
-    cum_decay = decay.cumsum(dim=-2)
+    # fp64 sums: strong decays (tens a token) make the sums large, and fp32 would lose the small differences
+    # between them (a decay near 0 next to strong ones) that the factors below exponentiate
+    cum_decay = decay.double().cumsum(dim=-2)
     ut_system = pairwise(k_beta, key, cum_decay)
     intra_chunk_attn = pairwise(query, key, cum_decay)
-    decayed_k_beta = k_beta * cum_decay.exp()
+    decayed_k_beta = k_beta * cum_decay.float().exp()
     new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
 
-    query = query * cum_decay.exp()
-    key_decayed = key * (cum_decay[..., -1:, :] - cum_decay).exp()
+    query = query * cum_decay.float().exp()
+    key_decayed = key * (cum_decay[..., -1:, :] - cum_decay).float().exp()
     scan = chunk_scan_op if backend == "triton" else scan_chunks
-    states, v_news = scan(k_cumdecay, new_values, key_decayed, cum_decay[..., -1, :].exp(), table.first)
+    states, v_news = scan(k_cumdecay, new_values, key_decayed, cum_decay[..., -1, :].float().exp(), table.first)
     out = query @ states + intra_chunk_attn @ v_news  # [H, num_chunks, C, Dv]
     return out.view(h, num_chunks * c, -1).transpose(0, 1).index_select(0, table.slot)
 
@@ -293,8 +295,8 @@ def pairwise(a: torch.Tensor, b: torch.Tensor, cum_decay: torch.Tensor) -> torch
         half, blocks = span // 2, size // span
         av, bv, cv = (x.reshape(*lead, blocks, 2, half, dk) for x in (a, b, cum_decay))
         ref = cv[..., 1, :1, :]
-        rows = av[..., 1, :, :] * (cv[..., 1, :, :] - ref).exp()
-        cols = bv[..., 0, :, :] * (ref - cv[..., 0, :, :]).exp()
+        rows = av[..., 1, :, :] * (cv[..., 1, :, :] - ref).to(a.dtype).exp()
+        cols = bv[..., 0, :, :] * (ref - cv[..., 0, :, :]).to(a.dtype).exp()
         values.append((rows @ cols.transpose(-1, -2)).reshape(*lead, -1))
         span = half
     out = a.new_zeros(*lead, size * size).index_copy(-1, _pairwise_index(size, a.device), torch.cat(values, -1))

@@ -165,6 +165,20 @@ def test_per_channel_strong_decay_stays_finite(device, rng, backend):
     check_against_reference(info, [q, k, v, g, beta], 32, backend)
 
 
+def test_per_channel_strong_decay_keeps_fp32_precision():
+    """An input where fp32 sums of the decays lost their small differences: the chunked form was 1.6e-5 off the
+    reference (relative to the output's largest value); it sums the decays in fp64 and is now as close as the
+    reference's own fp32 recurrence (2.5e-7)."""
+    info = fastft.packed_seq_info(seq_lengths=[40, 24])
+    q, k, v, g, beta = random_inputs(torch.Generator().manual_seed(2549099682), 1, 64, 2, 8, 4, "cpu", per_channel=True)
+    with torch.no_grad():
+        g[..., :4] *= 20
+        g[..., 4:] *= 0.01
+        out = gated_delta_rule(q, k, v, g, beta, info, chunk_size=32, backend="torch")
+        expected = reference.gated_delta_rule(q, k, v, g, beta, info.position_ids, 8**-0.5, True)
+    assert (out - expected).abs().max() <= 2e-6 * expected.abs().max()
+
+
 @pytest.mark.parametrize("c", [1, 2, 3, 5, 8, 16])
 def test_pairwise_matches_direct_sum(rng, c):
     """``pairwise`` against the sum it stands for, in fp64, with decays strong enough that a factorization
