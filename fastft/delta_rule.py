@@ -278,7 +278,8 @@ def _chunked_per_channel(query, key, v_beta, k_beta, decay, table: ChunkTable, b
 def pairwise(a: torch.Tensor, b: torch.Tensor, cum_decay: torch.Tensor) -> torch.Tensor:
     """``[..., C, C]``: ``sum_d a[i, d] b[j, d] exp(cum_decay[i, d] - cum_decay[j, d])`` for ``j <= i``, 0
     above the diagonal, for a, b, cum_decay ``[..., C, Dk]`` (cum_decay non-increasing along C, as cumulative
-    sums of log decays <= 0 are).
+    sums of log decays <= 0 are; it may be wider than a and b: the differences are taken in its dtype, then
+    cast to theirs).
 
     No factor is ever above 1, however strong the decay: the chunk is halved recursively, and the block of
     rows in the lower half against columns in the upper half is one matmul of rows scaled by
