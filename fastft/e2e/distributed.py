@@ -40,11 +40,11 @@ Records of one process (``ep``, or ``--nproc 1``) have no work, wait or imbalanc
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
 import tempfile
-import time
 
 import torch
 
@@ -53,7 +53,7 @@ from .models import MODEL_CONFIGS, dtype_for, is_moe, model_config, num_experts
 from .stacks import COLUMNS, build, why_not_on
 from .stacks import columns as columns_here
 from .stream import regroup, stream_batches
-from .train import schedule, train_step
+from .train import schedule, train
 
 MODES = ("ddp", "fsdp2", "shard", "ep", "hf ep")
 SPLITS = ("rows", "balanced")
@@ -137,30 +137,15 @@ def _wrap(model, mode: str | None, moe: bool):
     return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=moe and mode == "ddp")
 
 
-def _pass(model, inputs, device, lr: float, warmup: int, barrier: bool) -> tuple[list, int]:
-    """One AdamW step per item of ``inputs``, each timed to the end of its GPU work after a barrier (``barrier``:
-    the ranks start each step together); (seconds per step, peak reserved bytes from step ``warmup`` on, -1
-    without a GPU)."""
+def _barrier(device) -> None:
+    """The ranks start a step together: a barrier, and this GPU's work done."""
     import torch.distributed as dist
 
-    cuda = device.type == "cuda"
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    seconds = []
-    for i, batch in enumerate(inputs):
-        if cuda and i == warmup:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        if barrier:
-            dist.barrier(device_ids=[device.index]) if cuda else dist.barrier()
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        train_step(model, opt, batch).item()  # read each step, as a logging loop does
-        if cuda:
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    return seconds, torch.cuda.max_memory_reserved() if cuda else -1
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index])
+        torch.cuda.synchronize(device)
+    else:
+        dist.barrier()
 
 
 def _worker(rank, world, init, out, job):
@@ -198,14 +183,15 @@ def _worker(rank, world, init, out, job):
                 else:
                     items, warmup = [step[0 if mode == "hf ep" else rank] for step in steps], job["warmup"]
                 inputs = [b.to(device).inputs() for b in items]
-                prime, _ = _pass(wrapped, inputs, device, 0.0, warmup, group)
-                seconds, peak = _pass(wrapped, inputs, device, 1e-5, warmup, group)
+                together = functools.partial(_barrier, device) if group else None
+                prime = train(wrapped, inputs, warmup, device, lr=0.0, before_step=together)
+                timed = train(wrapped, inputs, warmup, device, before_step=together)
                 result[split] = {
-                    "prime_s": sum(prime),
-                    "first_s": seconds[:warmup],
-                    "step_s": seconds[warmup:],
+                    "prime_s": sum(prime.seconds),
+                    "first_s": timed.seconds[:warmup],
+                    "step_s": timed.seconds[warmup:],
                     "tokens": [b.num_tokens for b in items[warmup:]],
-                    "peak": peak,
+                    "peak": timed.peak_bytes,
                 }
         finally:
             restore()

@@ -70,10 +70,18 @@ def train_step(model, opt, batch) -> torch.Tensor:
 OnStep = Callable[[int, int, float, float], None]  # (step index, steps, loss, seconds) after each step
 
 
-def train(model, inputs, warmup: int, device, lr: float = 1e-5, on_step: OnStep | None = None) -> Steps:
+def train(
+    model,
+    inputs,
+    warmup: int,
+    device,
+    lr: float = 1e-5,
+    on_step: OnStep | None = None,
+    before_step: Callable[[], None] | None = None,
+) -> Steps:
     """One AdamW training step per item of ``inputs``: a model-input dict, or micro-batches accumulated into
     one step (``step_inputs``); the peak memory counts from step ``warmup`` on. ``on_step`` is called after
-    each step."""
+    each step; ``before_step`` before each step's clock starts (the ranks' barrier under ``--nproc``)."""
     from fastft.graphs import capture_count
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -85,6 +93,8 @@ def train(model, inputs, warmup: int, device, lr: float = 1e-5, on_step: OnStep 
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # the peak reserved counts what the timed steps hold, not the first steps' cache
             torch.cuda.reset_peak_memory_stats()
+        if before_step is not None:
+            before_step()
         compiled, captured = compiled_graphs(), capture_count()
         start = time.perf_counter()
         losses.append(train_step(model, opt, batch).item())  # read each step, as a logging loop does
