@@ -158,7 +158,9 @@ def measure_layer(function, args, kwargs, module, clock: Clock, device: torch.de
         if ptr not in exclude[0] and ptr not in seen:
             seen.add(ptr)
             total[0] += allocated_bytes(storage.nbytes())
-        return t  # kept until the forward's result is dropped, so that no storage is counted at a reused address
+        # kept until the forward's result is dropped, so that no storage is counted at a reused address; detached,
+        # since a node holding its own output (as returned here) would be a cycle no garbage collection frees
+        return t.detach()
 
     devices = [device] if device.type == "cuda" else []
     meter = SavedOps(clock, device)

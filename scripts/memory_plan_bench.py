@@ -11,7 +11,8 @@ recomputation; no layer recomputation) at the measured rate of a dense bf16 GEMM
 
 Prints one line per configuration, the plan's table, and each configuration's per-step losses beside full
 recompute's (the same weights and rows: a plan computes what full recompute does, within bf16 kernels'
-run-to-run differences). Needs torch, transformers, peft and a CUDA GPU.
+run-to-run differences). Needs torch, transformers, peft and a CUDA GPU. The compute floor is the main job's
+(``fastft.e2e.floor``: its LoRA targets on a dense model are every linear of the layers, as here).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 
 import torch
 
+from fastft.e2e.floor import gemm_rate, step_flops
 from fastft.e2e.models import MODEL_CONFIGS
 
 QWEN3_8B = {k: v for k, v in MODEL_CONFIGS["Qwen3-8B"][1].items() if k != "num_hidden_layers"}  # the main job's widths
@@ -47,33 +49,6 @@ def stream(steps: int, max_tokens: int, vocab: int, seed: int, device) -> list:
         pos = torch.cat([torch.arange(k) for k in lengths])[None]
         rows.append(dict(input_ids=ids.to(device), labels=ids.to(device), position_ids=pos.to(device), lengths=lengths))
     return rows
-
-
-def step_flops(config, layers: int, lengths: list) -> float:
-    """Model FLOPs of one training step (see the module docstring)."""
-    h, i, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    linears = [(h, heads * d), (h, kv * d), (h, kv * d), (heads * d, h), (h, i), (h, i), (i, h)]
-    tokens = sum(lengths)
-    per_token = sum(2 * 2 * a * b + 3 * 2 * RANK * (a + b) for a, b in linears) * layers  # + LoRA: fwd, dx, dW
-    per_token += 2 * 2 * h * config["vocab_size"]  # the head: forward and input gradient
-    attention = sum(2 * 2 * heads * d * n * (n + 1) / 2 for n in lengths) * layers  # causal QK^T and PV
-    return per_token * tokens + 3 * attention  # backward without recomputing QK^T: twice the forward
-
-
-def gemm_rate(m: int, k: int, n: int) -> float:
-    """FLOP/s of a dense bf16 GEMM [m, k] x [k, n]."""
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    reps = 20
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * m * k * n * reps / (time.perf_counter() - start)
 
 
 def run(args) -> dict:
@@ -119,7 +94,7 @@ def run(args) -> dict:
     except torch.cuda.OutOfMemoryError:
         return {"config": args.run, "oom": True}
     timed = rows[args.warmup :]
-    flops = sum(step_flops(QWEN3_8B, args.layers, row["lengths"]) for row in timed)
+    flops = sum(step_flops("Qwen3-8B", row["lengths"], args.layers) for row in timed)
     plan = memory_plan(model)
     return {
         "config": args.run,
@@ -164,9 +139,9 @@ def main() -> None:
             results.append({"config": name, "error": done.returncode})
             continue
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    rate = gemm_rate(args.tokens, QWEN3_8B["hidden_size"], QWEN3_8B["intermediate_size"])
+    rate = gemm_rate(torch.device("cuda"), args.tokens, QWEN3_8B["hidden_size"], QWEN3_8B["intermediate_size"])
     rows = stream(args.warmup + args.steps, args.tokens, QWEN3_8B["vocab_size"], 1, "cpu")[args.warmup :]
-    flops = sum(step_flops(QWEN3_8B, args.layers, row["lengths"]) for row in rows)
+    flops = sum(step_flops("Qwen3-8B", row["lengths"], args.layers) for row in rows)
     tokens = sum(sum(row["lengths"]) for row in rows)
     floor = tokens / (flops / rate)
     print(f"{torch.cuda.get_device_name()}, Qwen3-8B widths, {args.layers} layers, LoRA r={RANK} on every linear, ")

@@ -155,6 +155,8 @@ def test_e2e_nproc(tmp_path):
         (("bench", "--nproc", "2"), "unrecognized arguments: --nproc 2"),
         (("bench", "--e2e"), "bench --e2e is now its own command: python -m fastft e2e"),
         (("e2e", "--nproc", "0"), "--nproc: must be > 0, got 0"),
+        (("e2e", "--layers", "deep"), "--layers: expected a number of layers or 'all', got 'deep'"),
+        (("e2e", "--nproc", "2", "--layers", "4"), "--layers is not taken with --nproc"),
         (("e2e", "--nproc", "2", "--parallel", "tp"), "invalid choice: 'tp'"),
         (("e2e", "--model", "llama"), "invalid choice: 'llama' (choose from 'Llama-3.2-1B'"),
         (("bench", "--model", "Qwen3-0.6B"), "unrecognized arguments: --model"),
@@ -207,6 +209,24 @@ def test_user_mistakes_are_usage_errors(args, message, capsys):
 def test_cuda_device_without_gpu_is_a_usage_error():
     out = run("info", "--device", "cuda")
     assert out.returncode == 2 and "this torch sees no CUDA device" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a missing GPU")
+def test_layers_on_a_cpu_is_a_usage_error(capsys):
+    from fastft.__main__ import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["e2e", "--model", "Qwen3-8B", "--layers", "all"])
+    assert exit.value.code == 2 and "--layers is taken at real size only" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: a CPU refuses --layers before the count")
+def test_layers_beyond_the_models_depth_is_a_usage_error(capsys):
+    from fastft.__main__ import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["e2e", "--model", "Qwen3-8B", "--layers", "37"])
+    assert exit.value.code == 2 and "--layers: layers must be an int in [1, 36]" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a missing GPU")

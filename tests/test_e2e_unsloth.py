@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from fastft.e2e import models, report, run, stacks, stream, train
+from fastft.e2e import floor, models, report, run, stacks, stream, train
 from fastft.e2e import unsloth as worker
 
 transformers = pytest.importorskip("transformers")
@@ -75,7 +75,7 @@ def test_importing_the_main_job_imports_no_unsloth():
 def _fake_worker(monkeypatch, code: str):
     """The column's worker replaced by ``python -c code`` (argv[1]: where the record goes)."""
 
-    def command(name, kind, tiny, warmup, steps, out, device="cuda", quant=None):
+    def command(name, kind, tiny, warmup, steps, out, device="cuda", quant=None, layers=None):
         return [sys.executable, "-c", code, out, str(warmup), str(steps)]
 
     monkeypatch.setattr(worker, "command", command)
@@ -93,6 +93,7 @@ def test_a_failing_worker_gives_a_nan_record_with_the_fields_of_the_others(monke
     reference = train.record(
         "Qwen3-0.6B", "padding-free", "unsloth", batches, 1, result, dtype="bfloat16", lora=True, quant=None, **facts
     )
+    reference = floor.with_floor(reference, "Qwen3-0.6B", batches, 1, CPU, tiny=True)
     assert set(record) == set(reference) | {"error"}
     report.format_table([record])  # a failed column still makes a row
 

@@ -9,6 +9,7 @@ imports only those above it in this list:
 - ``quant``: QLoRA's 4-bit models (``--quant nf4``);
 - ``stacks``: the columns (``COLUMNS``): how each stack is built, where it runs, whether it leaks documents;
 - ``unsloth``: the ``unsloth`` column, in a worker process of its own;
+- ``floor``: a step's compute floor (its model FLOPs at the GPU's measured dense GEMM rate);
 - ``report``: the table, the loss check and its verdict line, the chart;
 - ``run``: the loop over models, streams and columns;
 - ``distributed``: the multi-process steps (``--nproc``: DDP, FSDP2, expert parallelism);

@@ -15,6 +15,7 @@ from fastft import cli
 
 from . import distributed, quant, report, run
 from .models import MODEL_CONFIGS as MODELS
+from .models import layers_arg
 from .stacks import COLUMNS, build, column_inputs, why_not, why_not_on
 from .stream import KINDS, STREAM_CHOICES, model_stream
 from .train import train_step
@@ -51,7 +52,7 @@ def cmd_e2e(args) -> int:
     p, device = args.parser, cli.device_of(args.device)
     if args.parallel and args.nproc is None:
         p.error("--parallel is taken with --nproc only")
-    for option in ("stream", "quant"):
+    for option in ("stream", "quant", "layers"):
         if args.nproc is not None and getattr(args, option) is not None:
             p.error(f"--{option} is not taken with --nproc (the ranks share the padding-free stream)")
     if args.nproc is not None:
@@ -59,10 +60,18 @@ def cmd_e2e(args) -> int:
     else:
         names = run.models_of(device, args.model, args.all)
     _check_stack(p, args, device, names)
+    if args.layers is not None:
+        if run.tiny_configs(device, args.quick):
+            p.error("--layers is taken at real size only (a GPU without --quick): the tiny configs keep 2 layers")
+        for name in names:
+            try:
+                layers_arg(name, args.layers)
+            except ValueError as e:
+                p.error(f"--layers: {e}")
     with cli.environment(**backend_of(args.backend, device)):
         if args.nproc is not None:
             return _distributed(args, device, names)
-        plan = dict(stream=args.stream, warmup=args.warmup, steps=args.steps, quant=args.quant)
+        plan = dict(stream=args.stream, warmup=args.warmup, steps=args.steps, quant=args.quant, layers=args.layers)
         print(run.describe(device, args.quick, args.column, models=names, **plan), flush=True)
         records = run.run(device, args.quick, names, args.column, **plan)
     if not records:
@@ -167,6 +176,15 @@ On a CPU: tiny configs of a dense, a MoE and a hybrid model (--all: every model)
 size, and the table's speed ratios."""
 
 
+def _layers(text: str) -> int | str:
+    if text == "all":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of layers or 'all', got {text!r}") from None
+
+
 def add_parsers(sub) -> None:
     """``e2e`` and ``audit`` added to the CLI's subparsers ``sub``."""
     models = ", ".join(MODELS)
@@ -216,6 +234,13 @@ def add_parsers(sub) -> None:
         help="timed steps per column after the first ones (default 20; 2 with tiny configs)",
     )
     _stack_options(p)
+    p.add_argument(
+        "--layers",
+        type=_layers,
+        metavar="N",
+        help="decoder layers each model keeps at real size: a number, or 'all' (the released model's depth); "
+        "default the model table's (fewer for the large ones)",
+    )
     p.add_argument(
         "--nproc",
         type=cli.positive(int),

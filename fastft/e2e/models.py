@@ -11,8 +11,9 @@ import math
 
 import torch
 
-# name -> (transformers config class, config fields, decoder layers kept on a GPU). The e2e benchmark and the
-# real-size GPU tests build them with random weights; the op benchmarks take their shapes from them.
+# name -> (transformers config class, config fields, decoder layers kept on a GPU unless --layers says otherwise).
+# The e2e benchmark and the real-size GPU tests build them with random weights; the op benchmarks take their
+# shapes from them.
 MODEL_CONFIGS = {
     "Llama-3.2-1B": (
         "LlamaConfig",
@@ -55,8 +56,8 @@ MODEL_CONFIGS = {
         ),
         8,
     ),
-    # the QLoRA model of the seeds' comparison, 20 of its 40 layers: --quant nf4 and the unsloth column each save
-    # a bf16 copy to disk, and two copies of all 40 layers (about 30 GB each) leave a 64 GiB disk little room
+    # the QLoRA model, 20 of its 40 layers by default (--layers all: every one; --quant nf4 and the unsloth column
+    # each save a bf16 copy to disk, about 30 GB at 40 layers, one at a time)
     "Qwen3-14B": (
         "Qwen3Config",
         dict(
@@ -207,15 +208,34 @@ def budget(name: str, tiny: bool) -> int:
     return TINY_TOKENS if tiny else TOKENS.get(name, 16384)
 
 
-def model_config(name: str, tiny: bool):
+def full_depth(name: str) -> int:
+    """The decoder layers of the released model ``name``."""
+    return MODEL_CONFIGS[name][1]["num_hidden_layers"]
+
+
+def layers_arg(name: str, layers: int | str | None) -> int:
+    """The decoder layers the model ``name`` keeps at real size: ``layers`` (an int in [1, its full depth], or
+    ``"all"``: its full depth), or the table's count for None; ``ValueError`` naming ``layers`` otherwise."""
+    if layers is None:
+        return MODEL_CONFIGS[name][2]
+    if layers == "all":
+        return full_depth(name)
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= full_depth(name):
+        raise ValueError(f"layers must be an int in [1, {full_depth(name)}] or 'all' for {name}, got {layers!r}")
+    return layers
+
+
+def model_config(name: str, tiny: bool, layers: int | str | None = None):
     """The transformers config of the model ``name`` (``tiny``: 2 layers, small widths; a model of several layer
     kinds keeps one layer of each, in the order its pattern has them: Qwen3.5's Gated DeltaNet, then full
-    attention)."""
+    attention). ``layers``: the decoder layers kept at real size (``layers_arg``; not taken with ``tiny``)."""
     import transformers
 
-    config_cls, fields, layers = MODEL_CONFIGS[name]
+    if tiny and layers is not None:
+        raise ValueError(f"layers is taken at real size only (the tiny configs keep 2 layers), got {layers!r}")
+    config_cls, fields, _ = MODEL_CONFIGS[name]
     config_cls = getattr(transformers, config_cls)
-    fields = dict(fields, num_hidden_layers=layers)
+    fields = dict(fields, num_hidden_layers=layers_arg(name, layers))
     if tiny:
         kinds = list(dict.fromkeys(getattr(config_cls(**fields), "layer_types", None) or ()))
         fields.update({k: v for k, v in TINY.items() if k in fields}, num_hidden_layers=2)

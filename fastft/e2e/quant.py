@@ -75,13 +75,14 @@ def describe(quant: str | None) -> str | None:
 _saved: dict = {}  # key -> (folder, dtype, device): the last builder's model on disk (one at a time)
 
 
-def _forget_saved() -> None:
+def forget_saved() -> None:
+    """Remove the saved model's folder (``quantized`` saves it again when asked for it)."""
     for folder, _, _ in _saved.values():
         shutil.rmtree(folder, ignore_errors=True)
     _saved.clear()
 
 
-atexit.register(_forget_saved)
+atexit.register(forget_saved)
 
 
 def _save(model) -> tuple[str, torch.dtype, torch.device]:
@@ -119,7 +120,7 @@ def quantized(model_or_builder, quant: str | None, key: Hashable | None = None):
     elif key is not None and key in _saved:
         folder, dtype, device = _saved[key]
     else:
-        _forget_saved()
+        forget_saved()
         model = model_or_builder()
         folder, dtype, device = _save(model)
         del model

@@ -37,6 +37,7 @@ import torch
 
 from . import quant as quantization
 from . import unsloth
+from .floor import with_floor
 from .models import MODEL_CONFIGS as MODELS
 from .models import has_mixers, is_moe
 from .report import captured, compiled
@@ -93,9 +94,10 @@ def describe(
     steps=None,
     quant=None,
     models=None,
+    layers=None,
 ) -> str:
     """What the run measures, said before it starts; the columns that cannot run here, one line each.
-    ``models``: the models it trains (``models_of``)."""
+    ``models``: the models it trains (``models_of``); ``layers``: as ``run``'s."""
     tiny = tiny_configs(device, quick)
     warmup, steps = schedule(tiny, warmup, steps)
     lines = []
@@ -107,8 +109,9 @@ def describe(
         where = "on a CPU (a GPU runs the real sizes)" if device.type != "cuda" else "with --quick's tiny configs"
         lines.append(f"the step times show that each stack runs, not how fast it is: no speed ratios {where}")
     else:
+        depth = "fewer layers for the large ones" if layers is None else f"--layers {layers}"
         lines.append(
-            "e2e on the GPU: real-size configs (fewer layers for the large ones), bf16, rows of up to 16,384 "
+            f"e2e on the GPU: real-size configs ({depth}), bf16, rows of up to 16,384 "
             f"tokens (gpt-oss 4,096), {fastft_backend(device)}"
         )
     if models is not None:
@@ -151,15 +154,19 @@ def run(
     warmup=None,
     steps=None,
     quant=None,
+    layers=None,
 ) -> list[dict]:
     """One record per (model, stream, column); see the module docstring and ``format_table``. ``models``: the
     models to train (default ``models_of(device)``); ``stream``: a ``STREAM_CHOICES`` entry (default
     ``padding-free``); ``warmup``, ``steps``: see ``schedule``; ``quant``: ``"nf4"``, each column on the model
-    in bitsandbytes 4-bit (``fastft.e2e.quant``)."""
+    in bitsandbytes 4-bit (``fastft.e2e.quant``); ``layers``: the decoder layers each model keeps at real size
+    (an int or ``"all"``, ``fastft.e2e.models.layers_arg``; default the table's)."""
     tiny = tiny_configs(device, quick)
     warmup, steps = schedule(tiny, warmup, steps)
     quant = quantization.quant_arg(quant)
     kinds = streams_of(stream)
+    if layers is not None and tiny:
+        raise ValueError(f"layers is taken at real size only (a GPU without quick), got {layers!r}")
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -176,7 +183,7 @@ def run(
                     if why_not_on(column, name):
                         continue
                     gc.collect()  # every column starts from a collected heap, the first one too
-                    records.append(_run_column(name, kind, column, device, tiny, batches, warmup, quant))
+                    records.append(_run_column(name, kind, column, device, tiny, batches, warmup, quant, layers))
                     _print(records[-1])
                     gc.collect()  # hooks and bound methods (fastft's, Liger's, PEFT's) make cycles: free them now
                     if device.type == "cuda":
@@ -196,16 +203,21 @@ def _progress(name: str, kind: str, column: str):
     return on_step
 
 
-def _run_column(name: str, kind: str, column: str, device, tiny: bool, batches: list, warmup: int, quant=None) -> dict:
+def _run_column(
+    name: str, kind: str, column: str, device, tiny: bool, batches: list, warmup: int, quant=None, layers=None
+) -> dict:
     if COLUMNS[column].own_process:  # unsloth: a process of its own builds and trains, same stream
-        return unsloth.run_column(name, kind, column, device, tiny, batches, warmup, quant=quant)
+        quantization.forget_saved()  # its process saves a copy of its own: one model on disk at a time
+        row = unsloth.run_column(name, kind, column, device, tiny, batches, warmup, quant=quant, layers=layers)
+        return with_floor(row, name, batches, warmup, device, tiny, layers)
     _reset_compiles()
-    (model, lora), restore = build(name, column, device, tiny, quant=quant)
+    (model, lora), restore = build(name, column, device, tiny, quant=quant, layers=layers)
     dtype = str(next(model.parameters()).dtype).split(".")[-1]
-    error = None
+    error, plan = None, None
     try:
         inputs = [column_inputs(column, b, name, tiny) for b in batches]
         result = train_primed(model, inputs, warmup, device, on_step=_progress(name, kind, column))
+        plan = _memory_plan(model) if COLUMNS[column].fastft else None
     except torch.OutOfMemoryError:
         result, error = failed_steps(len(batches)), "out of memory"
     except Exception as e:  # a peer's own failure (e.g. flash-linear-attention refusing Hopper) is its row's result
@@ -215,9 +227,20 @@ def _run_column(name: str, kind: str, column: str, device, tiny: bool, batches: 
     finally:
         restore()
         del model
-    facts = record_facts(column, name, tiny)
+    facts = record_facts(column, name, tiny, layers)
     row = record(name, kind, column, batches, warmup, result, dtype=dtype, lora=lora, quant=quant, **facts)
+    row = with_floor(row, name, batches, warmup, device, tiny, layers)
+    if plan is not None:
+        print(f"{name} {kind} '{column}':\n{plan}", flush=True)
+        row["memory_plan"] = {"counts": plan.counts(), "budget_gib": plan.budget / 2**30, "table": str(plan)}
     return row if error is None else {**row, "error": error}
+
+
+def _memory_plan(model):
+    """The memory plan in force on a fastft column's model (None without one)."""
+    from fastft.integrations.transformers import memory_plan
+
+    return memory_plan(model)
 
 
 def _print(r: dict) -> None:

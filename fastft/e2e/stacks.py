@@ -33,6 +33,10 @@ built on a transformers model with random weights from ``fastft.e2e.models``.
   checkpointed layer replayed as CUDA graphs (GPU only; a new batch signature is captured when it comes);
   ``fastft + liger, graphs auto``: ``graphs="auto"``, graphs only for layers whose eager forward is
   launch-bound; ``fastft + liger, graphs, experts lora`` (MoE models): LoRA on the experts' weights too.
+- ``fastft, memory plan`` and ``fastft + liger, memory plan`` (GPU only): ``apply(..., memory_budget="auto",
+  max_tokens=<the row's token budget>)``: each checkpointed layer keeps, saves its GEMMs' results, recomputes or
+  offloads as the GPU's free memory allows (``fastft.memory_planner``), where the other fastft columns
+  recompute every layer.
 - ``unsloth`` (GPU and unsloth only): Unsloth's own stack (``fastft.e2e.unsloth``, in a process of its own:
   Unsloth patches transformers, peft and trl when imported): the same weights saved and loaded through
   ``FastLanguageModel`` (MoE models: ``FastModel``), LoRA r=16 on the same projections through its
@@ -218,15 +222,19 @@ def _stock_setup(model, name: str, attention: str = "sdpa", offload: bool = Fals
     return model, lora, _nothing if fla else _torch_mixers(model)
 
 
-def _fastft_setup(model, name: str, lora: bool = True, experts: bool = False, graphs: bool | str = False):
+def _fastft_setup(
+    model, name: str, lora: bool = True, experts: bool = False, graphs: bool | str = False, plan: bool = False
+):
     import warnings
 
     from fastft.integrations import transformers as ft_hf
 
     model, has_lora = _peft(model, name, experts)
+    # the plan is made for the stream's largest row (real size: the GPU columns' rows), not for its first
+    memory = dict(memory_budget="auto", max_tokens=budget(name, tiny=False)) if plan else {}
     with warnings.catch_warnings():  # "fastft + liger": fastft keeps its experts path, as it says
         warnings.filterwarnings("ignore", "Liger-Kernel's swiglu patch")
-        ft_hf.apply(model, lora=lora, graphs=graphs)
+        ft_hf.apply(model, lora=lora, graphs=graphs, **memory)
     return model, has_lora, _nothing
 
 
@@ -315,18 +323,26 @@ COLUMNS = {
             fastft=True,
             moe_only=True,
         ),
+        Column("fastft, memory plan", functools.partial(_fastft_setup, plan=True), gpu_only=True, fastft=True),
+        Column(
+            "fastft + liger, memory plan",
+            _with_liger(functools.partial(_fastft_setup, plan=True)),
+            gpu_only=True,
+            needs=("liger-kernel",),
+            fastft=True,
+        ),
         Column("unsloth", _in_own_process, gpu_only=True, needs=("unsloth",), peer=True, own_process=True),
     )
 }
 
 
-def build(name: str, column: str, device, tiny: bool, model=None, quant=None):
+def build(name: str, column: str, device, tiny: bool, model=None, quant=None, layers=None):
     """The stack of ``column`` on the model ``name``: ((model, whether LoRA is on), a function to call after
     the column ran, which puts back the module globals the stack patched: Liger's, and the stock columns'
     torch mixers (``_torch_mixers``)). ``model``: one already built from ``model_config`` (e.g. loaded under
     a distributed plan) instead of a fresh one with the fixed seed. ``quant``: ``"nf4"``, the fresh model's
     decoder linear layers in bitsandbytes 4-bit (``fastft.e2e.quant.quantized``; saved once per model and
-    loaded for each column)."""
+    loaded for each column). ``layers``: the decoder layers kept (``fastft.e2e.models.layers_arg``)."""
     import transformers
 
     quant = quantization.quant_arg(quant)
@@ -336,10 +352,11 @@ def build(name: str, column: str, device, tiny: bool, model=None, quant=None):
     def fresh():
         torch.manual_seed(0)
         with torch.device(device):  # initialise on the device: minutes on a CPU for billions of weights
-            return transformers.AutoModelForCausalLM.from_config(model_config(name, tiny), dtype=dtype_for(device))
+            config = model_config(name, tiny, layers)
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype_for(device))
 
     if model is None:
-        model = quantization.quantized(fresh, quant, key=(name, tiny, str(device)))
+        model = quantization.quantized(fresh, quant, key=(name, tiny, layers, str(device)))
         if quant is not None:  # the adapters' initialisation: the same in each column, built or loaded again
             torch.manual_seed(0)
     model, lora, restore = COLUMNS[column].setup(model.train(), name)
@@ -409,11 +426,11 @@ def column_inputs(column: str, batch, name: str, tiny: bool, host_lengths: bool 
     return step_inputs(batch, budget(name, tiny) if COLUMNS[column].padded else None, host_lengths)
 
 
-def record_facts(column: str, name: str, tiny: bool) -> dict:
-    """The facts of ``column`` on the model ``name`` that ``fastft.e2e.train.record`` takes as keywords (besides
-    dtype, lora and quant, which the built model tells)."""
+def record_facts(column: str, name: str, tiny: bool, layers=None) -> dict:
+    """The facts of ``column`` on the model ``name`` (``layers``: as ``build``'s) that ``fastft.e2e.train.record``
+    takes as keywords (besides dtype, lora and quant, which the built model tells)."""
     return dict(
-        layers=model_config(name, tiny).num_hidden_layers,
+        layers=model_config(name, tiny, layers).num_hidden_layers,
         padded_budget=budget(name, tiny) if COLUMNS[column].padded else None,
         leaks=leaks(column, name) is not None,
     )

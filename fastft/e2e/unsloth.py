@@ -8,8 +8,8 @@ own, and reads back its record (``fastft.e2e.train.record``'s fields, plus the o
 
 In the worker (``main``):
 
-- the model: ``torch.manual_seed(0)`` and ``AutoModelForCausalLM.from_config(model_config(name, tiny))`` in bf16,
-  the weights every column starts from (``fastft.e2e.stacks.build``), saved to a temporary folder with a small
+- the model: ``torch.manual_seed(0)`` and ``AutoModelForCausalLM.from_config(model_config(name, tiny, layers))``
+  in bf16, the weights every column starts from (``fastft.e2e.stacks.build``), saved to a temporary folder with a small
   word-level tokenizer built here (``save_model``: Unsloth's loader looks for a tokenizer beside the weights and
   goes to the hub without one), and loaded back with ``FastLanguageModel.from_pretrained`` (MoE and
   linear-attention models: ``FastModel``, after ``enable_hf_packed_attention``) offline
@@ -86,16 +86,26 @@ def loader(name: str) -> str:
 
 
 def command(
-    name: str, kind: str, tiny: bool, warmup: int, steps: int, out: str, device="cuda", quant: str | None = None
+    name: str,
+    kind: str,
+    tiny: bool,
+    warmup: int,
+    steps: int,
+    out: str,
+    device="cuda",
+    quant: str | None = None,
+    layers: int | str | None = None,
 ) -> list[str]:
-    """The worker's command line: train ``warmup`` + ``steps`` steps of the e2e model ``name`` on stream ``kind``
-    and write the record to ``out`` (JSON)."""
+    """The worker's command line: train ``warmup`` + ``steps`` steps of the e2e model ``name`` (``layers``: its
+    decoder layers, ``fastft.e2e.models.layers_arg``) on stream ``kind`` and write the record to ``out`` (JSON)."""
     argv = [sys.executable, "-m", "fastft.e2e.unsloth", "--model", name, "--stream", kind, "--loader", loader(name)]
     argv += ["--warmup", str(warmup), "--steps", str(steps), "--device", str(device), "--json", out]
     if tiny:
         argv.append("--tiny")
     if quant is not None:
         argv += ["--quant", quant]
+    if layers is not None:
+        argv += ["--layers", str(layers)]
     return argv
 
 
@@ -113,7 +123,15 @@ def environment(compile_dir: str, base=None) -> dict:
 
 
 def run_column(
-    name: str, kind: str, column: str, device, tiny: bool, batches: list, warmup: int, quant: str | None = None
+    name: str,
+    kind: str,
+    column: str,
+    device,
+    tiny: bool,
+    batches: list,
+    warmup: int,
+    quant: str | None = None,
+    layers: int | str | None = None,
 ) -> dict:
     """The record of the ``unsloth`` column (see the module docstring): the worker trains on the stream's first
     ``len(batches)`` rows, ``batches`` here, checked to be the rows it trained on; a worker that fails gives a
@@ -121,7 +139,7 @@ def run_column(
     steps = len(batches) - warmup
     with tempfile.TemporaryDirectory(prefix="fastft-unsloth-") as tmp:
         out = os.path.join(tmp, "record.json")
-        argv = command(name, kind, tiny, warmup, steps, out, device, quant)
+        argv = command(name, kind, tiny, warmup, steps, out, device, quant, layers)
         env = environment(os.path.join(tmp, "compiled"))
         print(f"unsloth column: {' '.join(argv)} (PYTORCH_ALLOC_CONF={env['PYTORCH_ALLOC_CONF']})", flush=True)
         sys.stderr.flush()
@@ -136,7 +154,7 @@ def run_column(
                     f"the unsloth worker trained on other rows: {written.get('row_tokens')} != {expected}"
                 )
             return written
-    facts = record_facts(column, name, tiny)
+    facts = record_facts(column, name, tiny, layers)
     failed = record(
         name,
         kind,
@@ -222,6 +240,13 @@ def _backend(counts: dict) -> str:
     return f"{chosen} ({flags}; calls: {seen})"
 
 
+def on_fallback(row: dict) -> bool:
+    """Whether the ``unsloth`` record ``row`` ran Unsloth's packed attention without either of the varlen kernels
+    its users run it with (flash-attn's, xformers'): torch's SDPA per run of equal-length documents."""
+    backend = row.get("backend") or ""
+    return "flash-attn no" in backend and "xformers no" in backend
+
+
 def _moe_backend() -> str | None:
     try:
         from unsloth_zoo.temporary_patches.moe_utils import select_moe_backend
@@ -240,6 +265,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--quant", choices=("nf4",))
+    p.add_argument("--layers", type=lambda v: v if v == "all" else int(v))
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
     for key, value in QUIET.items():
@@ -252,7 +278,7 @@ def main(argv=None) -> int:
     import transformers
 
     name, device, tiny = args.model, torch.device(args.device), args.tiny
-    quant = args.quant
+    quant, layers = args.quant, args.layers
     loader = FastModel if args.loader == "FastModel" else FastLanguageModel
     if args.loader == "FastModel":
         try:
@@ -263,7 +289,7 @@ def main(argv=None) -> int:
             print(f"unsloth column: enable_hf_packed_attention() -> {enable_hf_packed_attention()}", flush=True)
     torch.manual_seed(0)  # the weights of every column (fastft.e2e.stacks.build)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(model_config(name, tiny), dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(model_config(name, tiny, layers), dtype=torch.bfloat16)
     targets = lora_targets(model, name)
     with tempfile.TemporaryDirectory(prefix="fastft-unsloth-model-") as folder:
         save_model(model, folder)
@@ -300,7 +326,7 @@ def main(argv=None) -> int:
             result = train_primed(model, inputs, args.warmup, device)
         except torch.OutOfMemoryError:
             result = failed_steps(len(batches))
-    facts = record_facts("unsloth", name, tiny)
+    facts = record_facts("unsloth", name, tiny, layers)
     row = record(
         name, args.stream, "unsloth", batches, args.warmup, result, dtype=dtype, lora=True, quant=quant, **facts
     )
