@@ -72,6 +72,9 @@ def test_a_cpu_record_has_no_floor_and_the_table_shows_it_only_when_measured():
     table = report.format_table([measured])
     assert "| x floor |" in table and "| 2.50x |" in table
     assert "x floor" not in report.format_table([measured], ratios=False)
+    failed = {**measured, "step_ms": math.nan, "error": "out of memory"}  # a failed column keeps its row
+    header, _, ok, bad = (line.split(" | ") for line in report.format_table([measured, failed]).splitlines())
+    assert ok[header.index("x floor")] == "2.50x" and bad[header.index("x floor")] == "n/a"
     assert "x floor" in report.legend() and "x floor" not in report.legend(ratios=False)
 
 

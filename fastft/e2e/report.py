@@ -208,7 +208,9 @@ def format_table(records: list[dict], ratios: bool = True) -> str:
         "torch.compile": lambda r: f"{r['compiles_first']} + {r['compiles_timed']}" if compiled(r) else "-",
         "graph captures": lambda r: f"{r['captures_first']} + {r['captures_timed']}" if captured(r) else "-",
         "peak GiB": lambda r: f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "n/a",
-        "x floor": lambda r: f"{r['step_ms'] / r['floor_ms']:.2f}x" if r.get("floor_ms") else "n/a",
+        "x floor": lambda r: (
+            f"{r['step_ms'] / r['floor_ms']:.2f}x" if r.get("floor_ms") and math.isfinite(r["step_ms"]) else "n/a"
+        ),
         "ms / fastft's": ours_ratio,
         "vs fastest peer": lambda r: _fastest_peer(records, r),
     }
