@@ -137,7 +137,11 @@ def test_memory_plan_columns_plan_for_the_rows_budget():
     restore()
 
 
-def test_floor_counts_are_finite_for_every_model():
+def test_floor_counts_and_rate_shapes_for_every_model():
     for name in models.MODEL_CONFIGS:
         flops = floor.step_flops(name, [100, 2000])
         assert math.isfinite(flops) and flops > 0, name
+        m, k, n = floor.gemm_shape(name)  # Qwen3.5-MoE's config has no dense MLP width
+        assert m == models.budget(name, False) and k == models.model_config(name, False).hidden_size and n > 0, name
+    assert floor.gemm_shape("Qwen3-8B") == (16384, 4096, 12288)  # the dense MLP's
+    assert floor.gemm_shape("Qwen3-14B") == (16384, 5120, 17408)

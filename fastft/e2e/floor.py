@@ -15,8 +15,9 @@ config (on the meta device):
 - not counted: recomputation (what the floor leaves out is what checkpointing adds), the linear-attention
   scans of hybrid layers (their projections are counted), norms, activations, the optimizer.
 
-The rate (``gemm_rate``): a dense bf16 GEMM [row budget, hidden] x [hidden, MLP width] on the GPU, measured
-once per shape and device. ``with_floor`` adds ``floor_ms`` (the timed steps' mean floor) and
+The rate (``gemm_rate``): a dense bf16 GEMM [row budget, hidden] x [hidden, the widest output of the decoder's
+linear layers: the dense MLP's width on dense models] on the GPU (``gemm_shape``), measured once per shape and
+device. ``with_floor`` adds ``floor_ms`` (the timed steps' mean floor) and
 ``gemm_tflops`` to a record at real size on a GPU.
 """
 
@@ -32,17 +33,21 @@ LORA_RANK = 16  # the main job's LoRA rank (fastft.e2e.stacks)
 ATTENTION_KINDS = ("full_attention", "sliding_attention")  # layer kinds with softmax attention
 
 
+def _meta_model(name: str, layers):
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(model_config(name, False, layers))
+
+
 @functools.cache
 def _model_counts(name: str, layers: int | None) -> tuple[float, tuple[tuple[int, int], ...]]:
     """(GEMM FLOPs per token, (window, heads x head dim) per softmax-attention layer; window 0: none) of the
     model ``name`` with ``layers`` decoder layers."""
-    import transformers
-
     from .stacks import lora_targets
 
     config = model_config(name, False, layers)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+    model = _meta_model(name, layers)
     targets = set(lora_targets(model, name))
     per_token = 0.0
     for path, module in model.named_modules():
@@ -100,10 +105,20 @@ def gemm_rate(device: torch.device, m: int, k: int, n: int) -> float:
     return 2 * m * k * n / best
 
 
+@functools.cache
+def gemm_shape(name: str) -> tuple[int, int, int]:
+    """The dense GEMM whose rate is the floor's for the model ``name``: [its row budget, hidden] x [hidden, the
+    widest output of its decoder's linear layers] (the dense MLP's on dense models)."""
+    from fastft.integrations.transformers import decoder_layers
+
+    model = _meta_model(name, 1)
+    linears = [m for layer in decoder_layers(model) for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    return budget(name, False), model.config.hidden_size, max(m.out_features for m in linears)
+
+
 def rate_for(name: str, device) -> float:
-    """``gemm_rate`` of the model ``name``'s shape: [its row budget, hidden] x [hidden, its MLP width]."""
-    config = model_config(name, False)
-    return gemm_rate(torch.device(device), budget(name, False), config.hidden_size, config.intermediate_size)
+    """``gemm_rate`` of the model ``name``'s ``gemm_shape``."""
+    return gemm_rate(torch.device(device), *gemm_shape(name))
 
 
 def with_floor(row: dict, name: str, batches: list, warmup: int, device, tiny: bool, layers=None) -> dict:
