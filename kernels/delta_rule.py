@@ -10,24 +10,36 @@ chunk: for chunk i, with ``S`` its entering state and ``dS`` (0 after the last c
 that starts a document, whose entering state does not depend on the one before),
 
     dv_new_total = dv_new + k_decayed @ dS        (= du)
-    dchunk_decay = sum(S * dS)          (over the row only, for a decay per row)
     dS_before    = dstates + chunk_decay * dS - w^T @ dv_new_total
 
-and writes each chunk's ``dS``, ``du`` and per-program partial sums of ``dchunk_decay``; ``dw = -du @ S^T`` and
-``dk_decayed = v_new @ dS^T`` are then batched matmuls over all chunks (``fastft.delta_rule``).
+and writes each chunk's ``dS`` and ``du``; ``dchunk_decay = sum(S * dS)`` (over the row only, for a decay per
+row), ``dw = -du @ S^T`` and ``dk_decayed = v_new @ dS^T`` are then taken over all chunks at once
+(``fastft.delta_rule``).
 
 One program per (head, block of BV value columns) keeps its ``[Dk, BV]`` slice of the state (or of dS) in
-registers for the whole scan; every column of the state evolves alone, so the blocks never communicate (only
-``dchunk_decay`` sums over them). fp32 throughout, dots in IEEE fp32 (not TF32).
+registers for the whole scan; every column of the state evolves alone, so the blocks never communicate. fp32
+throughout; on NVIDIA GPUs from sm80 the products run on tensor cores in 3xTF32 (each fp32 operand split into a
+TF32 high part and the TF32 rest, three products summed: fp32's accuracy, not TF32's), elsewhere in IEEE fp32.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from ._launch import cdiv, launch, next_power_of_2
+
+
+@functools.cache
+def _dot_precision(device: torch.device) -> str:
+    """``tl.dot``'s fp32 precision on ``device``: 3xTF32 where tensor cores take TF32 (CUDA, sm80 on), IEEE fp32
+    elsewhere (Triton's interpreter, older GPUs, ROCm)."""
+    if device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0):
+        return "tf32x3"
+    return "ieee"
 
 
 @triton.jit
@@ -44,6 +56,7 @@ def _chunk_scan_kernel(
     DK,
     DV,
     PER_CHANNEL: tl.constexpr,
+    DOT: tl.constexpr,
     BC: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -64,14 +77,14 @@ def _chunk_scan_kernel(
         tl.store(states_ptr + chunk * DK * DV + ok[:, None] * DV + ov[None, :], state, mask=kv)
         w = tl.load(w_ptr + chunk * C * DK + oc[:, None] * DK + ok[None, :], mask=ck, other=0.0)
         u = tl.load(u_ptr + chunk * C * DV + oc[:, None] * DV + ov[None, :], mask=cv, other=0.0)
-        v_new = u - tl.dot(w, state, input_precision="ieee")
+        v_new = u - tl.dot(w, state, input_precision=DOT)
         tl.store(vnew_ptr + chunk * C * DV + oc[:, None] * DV + ov[None, :], v_new, mask=cv)
         kd = tl.load(kd_ptr + chunk * C * DK + oc[:, None] * DK + ok[None, :], mask=ck, other=0.0)
         if PER_CHANNEL:
             decay = tl.load(decay_ptr + chunk * DK + ok, mask=ok < DK, other=0.0)[:, None]
         else:
             decay = tl.load(decay_ptr + chunk)
-        state = state * decay + tl.dot(tl.trans(kd), v_new, input_precision="ieee")
+        state = state * decay + tl.dot(tl.trans(kd), v_new, input_precision=DOT)
 
 
 @triton.jit
@@ -80,18 +93,16 @@ def _chunk_scan_backward_kernel(
     kd_ptr,
     decay_ptr,
     first_ptr,
-    states_ptr,
     dstates_ptr,
     dvnew_ptr,
     dsout_ptr,
     du_ptr,
-    ddecay_ptr,
-    H,
     NC,
     C,
     DK,
     DV,
     PER_CHANNEL: tl.constexpr,
+    DOT: tl.constexpr,
     BC: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
@@ -112,18 +123,15 @@ def _chunk_scan_backward_kernel(
         tl.store(dsout_ptr + chunk * DK * DV + ok[:, None] * DV + ov[None, :], ds, mask=kv)
         kd = tl.load(kd_ptr + chunk * C * DK + oc[:, None] * DK + ok[None, :], mask=ck, other=0.0)
         dv = tl.load(dvnew_ptr + chunk * C * DV + oc[:, None] * DV + ov[None, :], mask=cv, other=0.0)
-        dv += tl.dot(kd, ds, input_precision="ieee")
+        dv += tl.dot(kd, ds, input_precision=DOT)
         tl.store(du_ptr + chunk * C * DV + oc[:, None] * DV + ov[None, :], dv, mask=cv)
-        state = tl.load(states_ptr + chunk * DK * DV + ok[:, None] * DV + ov[None, :], mask=kv, other=0.0)
         if PER_CHANNEL:
-            tl.store(ddecay_ptr + (i_v * H * NC + chunk) * DK + ok, tl.sum(state * ds, 1), mask=ok < DK)
             decay = tl.load(decay_ptr + chunk * DK + ok, mask=ok < DK, other=0.0)[:, None]
         else:
-            tl.store(ddecay_ptr + i_v * H * NC + chunk, tl.sum(state * ds))
             decay = tl.load(decay_ptr + chunk)
         w = tl.load(w_ptr + chunk * C * DK + oc[:, None] * DK + ok[None, :], mask=ck, other=0.0)
         dstate = tl.load(dstates_ptr + chunk * DK * DV + ok[:, None] * DV + ov[None, :], mask=kv, other=0.0)
-        ds = dstate + ds * decay - tl.dot(tl.trans(w), dv, input_precision="ieee")
+        ds = dstate + ds * decay - tl.dot(tl.trans(w), dv, input_precision=DOT)
         # The state entering a document's first chunk is 0, whatever the chunk before it left.
         first = tl.load(first_ptr + c)
         ds = tl.where(first != 0, 0.0, ds)
@@ -167,6 +175,7 @@ def chunk_scan(
         dk,
         dv,
         PER_CHANNEL=chunk_decay.dim() == 3,
+        DOT=_dot_precision(w.device),
         BC=bc,
         BK=bk,
         BV=bv,
@@ -180,50 +189,45 @@ def chunk_scan_backward(
     k_decayed: torch.Tensor,
     chunk_decay: torch.Tensor,
     first: torch.Tensor,
-    states: torch.Tensor,
     dstates: torch.Tensor,
     dv_new: torch.Tensor,
     *,
     BV: int = 32,
     num_warps: int = 4,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dS ``[H, NC, Dk, Dv]``: the gradient of the state leaving each chunk, du ``[H, NC, C, Dv]``,
-    dchunk_decay of chunk_decay's shape) fp32, for ``chunk_scan``'s inputs w, k_decayed, chunk_decay, first, its output
-    states and the gradients of its outputs, dstates and dv_new."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dS ``[H, NC, Dk, Dv]``: the gradient of the state leaving each chunk, du ``[H, NC, C, Dv]``) fp32, for
+    ``chunk_scan``'s inputs w, k_decayed, chunk_decay, first and the gradients of its outputs, dstates and
+    dv_new."""
     h, nc, c, dk = w.shape
-    dv = states.shape[-1]
-    w, k_decayed, chunk_decay, states, dstates, dv_new = (
-        x.float().contiguous() for x in (w, k_decayed, chunk_decay, states, dstates, dv_new)
+    dv = dstates.shape[-1]
+    w, k_decayed, chunk_decay, dstates, dv_new = (
+        x.float().contiguous() for x in (w, k_decayed, chunk_decay, dstates, dv_new)
     )
     ds = w.new_empty(h, nc, dk, dv)
     du = w.new_empty(h, nc, c, dv)
     if h * nc == 0:
-        return ds, du, w.new_zeros(chunk_decay.shape)
+        return ds, du
     bc, bk, bv = max(16, next_power_of_2(c)), max(16, next_power_of_2(dk)), max(16, min(BV, next_power_of_2(dv)))
-    blocks = cdiv(dv, bv)
-    ddecay = w.new_empty(blocks, *chunk_decay.shape)
     launch(
         _chunk_scan_backward_kernel,
-        (h, blocks),
+        (h, cdiv(dv, bv)),
         w,
         k_decayed,
         chunk_decay,
         first.to(torch.int8).contiguous(),
-        states,
         dstates,
         dv_new,
         ds,
         du,
-        ddecay,
-        h,
         nc,
         c,
         dk,
         dv,
         PER_CHANNEL=chunk_decay.dim() == 3,
+        DOT=_dot_precision(w.device),
         BC=bc,
         BK=bk,
         BV=bv,
         num_warps=num_warps,
     )
-    return ds, du, ddecay.sum(0)
+    return ds, du

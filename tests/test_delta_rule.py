@@ -328,7 +328,7 @@ def test_triton_chunk_scan_matches_torch(device, rng, h, nc, c, dk, dv, per_chan
     # dchunk_decay sums Dk * Dv products (entering state x gradient of the leaving state) that cancel: its
     # rounding error scales with the sum of their magnitudes, not with the result.
     w, _, kd, decay = (x.detach() for x in inputs)
-    ds = kernels.chunk_scan_backward(w, kd, decay, first, got[0], dstates, dv_new, BV=16)[0]
+    ds = kernels.chunk_scan_backward(w, kd, decay, first, dstates, dv_new, BV=16)[0]
     terms = (got[0].abs() * ds.abs()).sum((-1, -2) if decay.dim() == 2 else -1).max().item()
     err = (got_grads[3] - want_grads[3]).abs().max().item()
     assert got_grads[3].shape == decay.shape and err <= RTOL * terms + ATOL, f"dchunk_decay: {err:.3g} ({terms:.3g})"

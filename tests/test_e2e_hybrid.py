@@ -120,6 +120,46 @@ def test_e2e_qwen35_moe_fastft_equals_the_padded_peer(monkeypatch):
     assert text.splitlines()[-1].startswith("loss check: PASS — 1 fastft column equals")
 
 
+def test_mamba2_hybrid_in_the_table():
+    """Granite-4.0-H-Tiny: Mamba-2 layers with an attention layer at every tenth, a MoE MLP in each."""
+    name = "Granite-4.0-H-Tiny"
+    config = models.model_config(name, tiny=True)
+    mamba, attention = "linear_attention", "full_attention"  # the config's names for "mamba" and "attention"
+    assert config.layer_types == [mamba, attention]  # one layer of each kind
+    real = models.model_config(name, tiny=False)
+    assert real.num_hidden_layers == 10 and real.layer_types == [mamba] * 5 + [attention] + [mamba] * 4
+    assert real.mamba_n_heads * real.mamba_d_head == real.mamba_expand * real.hidden_size
+    assert models.model_config(name, False, layers="all").layer_types.count(attention) == 4
+    assert models.model_config(name, False, layers=3).layer_types == [mamba] * 3
+    assert models.has_mixers(name) and models.is_moe(name)
+    assert stacks.leaks("stock sdpa", name) and not stacks.leaks("stock sdpa, padded", name)
+    assert stacks.why_not_on("naive glue", name).startswith("its attention layers get no position ids")
+    assert stacks.why_not_on("fastft + liger", name).startswith("needs a model whose family")
+    assert stacks.why_not_on("fastft, experts lora", name) is None
+
+
+def test_e2e_mamba2_hybrid_fastft_equals_the_padded_peer(monkeypatch):
+    """fastft (and LoRA on the experts, which PEFT finds under ``block_sparse_moe``) trains Granite's packed rows
+    as the padded peer trains each document alone."""
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    cpu = torch.device("cpu")
+    names = ["stock sdpa, padded", "stock sdpa", "fastft", "fastft, experts lora"]
+    records = run.run(cpu, True, ["Granite-4.0-H-Tiny"], names, stream="padding-free", warmup=1, steps=1)
+    assert [r["column"] for r in records] == names
+    assert [bool(r["leaks"]) for r in records] == [False, True, False, False]
+    ok, text = report.loss_check(records)
+    assert ok and text.splitlines()[-1].startswith("loss check: PASS — 2 fastft columns equal")
+
+
+def test_lora_on_granite_experts_finds_them():
+    pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(models.model_config("Granite-4.0-H-Tiny", tiny=True))
+    model, lora = stacks._peft(model, "Granite-4.0-H-Tiny", experts=True)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert lora and any("block_sparse_moe.experts" in n and "lora_A" in n for n in names), names
+
+
 @pytest.mark.skipif(stacks.installed("flash-linear-attention"), reason="checks the line for a missing fla")
 def test_flash_linear_attention_columns_are_named_when_missing():
     text = run.describe(torch.device("cpu"), True)

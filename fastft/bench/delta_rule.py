@@ -158,6 +158,6 @@ def tune_launchers(device: torch.device) -> dict:
         w, u, kd, decay, first = inputs(size)
         states, v_new = kernels.chunk_scan(w, u, kd, decay, first)
         dstates, dv_new = torch.randn_like(states), torch.randn_like(v_new)
-        return lambda cfg: kernels.chunk_scan_backward(w, kd, decay, first, states, dstates, dv_new, **cfg)
+        return lambda cfg: kernels.chunk_scan_backward(w, kd, decay, first, dstates, dv_new, **cfg)
 
     return {delta_rule.OP_SCAN: forward, delta_rule.OP_SCAN_BACKWARD: backward}

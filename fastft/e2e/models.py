@@ -146,6 +146,34 @@ MODEL_CONFIGS = {
         ),
         4,
     ),
+    # Granite-4.0-H-Tiny (GraniteMoeHybrid): Mamba-2 layers with attention at every tenth (5, 15, 25, 35), a MoE
+    # MLP (64 experts of width 512, top-6, a shared MLP of 1024) in every layer; its first 10 layers (9 Mamba-2, 1
+    # attention) unless --layers says otherwise. Random weights; no position embedding in its attention layers.
+    "Granite-4.0-H-Tiny": (
+        "GraniteMoeHybridConfig",
+        dict(
+            hidden_size=1536,
+            intermediate_size=512,
+            shared_intermediate_size=1024,
+            num_local_experts=64,
+            num_experts_per_tok=6,
+            num_hidden_layers=40,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            vocab_size=100352,
+            mamba_n_heads=48,
+            mamba_d_head=64,
+            mamba_d_state=128,
+            mamba_n_groups=1,
+            mamba_expand=2,
+            mamba_d_conv=4,
+            mamba_chunk_size=256,
+            layer_types=["attention" if i % 10 == 5 else "mamba" for i in range(40)],
+            position_embedding_type="nope",
+            tie_word_embeddings=True,
+        ),
+        10,
+    ),
 }
 
 
@@ -180,6 +208,11 @@ TINY = dict(
     linear_num_value_heads=4,
     linear_key_head_dim=16,
     linear_value_head_dim=16,
+    shared_intermediate_size=32,
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_d_state=16,
+    mamba_chunk_size=64,
 )
 
 
@@ -236,6 +269,8 @@ def model_config(name: str, tiny: bool, layers: int | str | None = None):
     config_cls, fields, _ = MODEL_CONFIGS[name]
     config_cls = getattr(transformers, config_cls)
     fields = dict(fields, num_hidden_layers=layers_arg(name, layers))
+    if "layer_types" in fields:  # the pattern's first layers
+        fields["layer_types"] = fields["layer_types"][: fields["num_hidden_layers"]]
     if tiny:
         kinds = list(dict.fromkeys(getattr(config_cls(**fields), "layer_types", None) or ()))
         fields.update({k: v for k, v in TINY.items() if k in fields}, num_hidden_layers=2)

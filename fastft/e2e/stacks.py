@@ -154,7 +154,7 @@ def _peft(model, name: str, experts: bool = False):
     except ImportError:
         return model, False
     targets = lora_targets(model, name)
-    on_experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else None
+    on_experts = ["experts.gate_up_proj", "experts.down_proj"] if experts else None
     lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets, target_parameters=on_experts)
     return peft.get_peft_model(model, lora), True
 
@@ -393,6 +393,8 @@ def why_not_on(column: str, name: str) -> str | None:
         return "needs a model with linear-attention layers"
     if "flex" in column and has_mixers(name):
         return "transformers offers no flex_attention for its hybrid families"
+    if column == "naive glue" and MODELS[name][1].get("position_embedding_type") == "nope":
+        return "its attention layers get no position ids (no position embedding), where this glue finds documents"
     if "liger-kernel" in c.needs and MODELS[name][0] not in LIGER_FAMILIES:
         return f"needs a model whose family fastft's bench patches with Liger-Kernel ({', '.join(LIGER_FAMILIES)})"
     return None

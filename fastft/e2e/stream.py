@@ -31,7 +31,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from .models import budget, sft_lengths
+from .models import MODEL_CONFIGS, budget, sft_lengths
 
 KINDS = ("fixed", "padding-free")
 STREAM_CHOICES = (*KINDS, "both")  # --stream
@@ -215,8 +215,8 @@ def streams_of(choice: str | None) -> tuple[str, ...]:
 
 def model_stream(name: str, kind: str, tiny: bool, device=None, seed: int = 0):
     """The endless stream of ``kind`` of the model ``name`` (``packed_stream``): rows of ``budget(name, tiny)``
-    tokens at most, documents around 380 tokens (tiny: 40)."""
-    vocab = 256 if tiny else 128000
+    tokens at most, documents around 380 tokens (tiny: 40), token ids below 128,000 and the model's vocabulary."""
+    vocab = 256 if tiny else min(128000, MODEL_CONFIGS[name][1]["vocab_size"])
     return packed_stream(kind, budget(name, tiny), seed, median=40 if tiny else 380, vocab=vocab, device=device)
 
 
