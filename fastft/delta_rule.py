@@ -46,8 +46,9 @@ OP_SCAN = dispatch.register("delta_rule.chunk_scan")
 OP_SCAN_BACKWARD = "delta_rule.chunk_scan_backward"
 # Keyed by w's elements (H * chunks * C * Dk). Defaults: 32 value columns of the state per program (128
 # programs at 32 heads of 128); ``tune`` measures Qwen3.5's widths at T=8192 and 32768. The interpreter's 16
-# makes small test inputs span several programs. Not in the grid: 8 warps at BV=16, which Triton 3.6 compiles
-# to an illegal memory access (both kernels, 3xTF32 products).
+# makes small test inputs span several programs. The grid holds the configurations checked against the torch
+# loop on a GPU: Triton 3.6 compiles 8 warps at BV=16 to an illegal memory access (both kernels), and 8 warps
+# or BV=64 were never faster than the defaults where they ran.
 for _op in (OP_SCAN, OP_SCAN_BACKWARD):
     autotune.register(
         _op,
