@@ -183,7 +183,8 @@ def test_e2e_nproc(tmp_path):
         ),
         (
             ("e2e", "--nproc", "2", "--model", "Qwen3-0.6B", "--parallel", "ep"),
-            "--parallel ep needs a MoE --model (Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-MoE, Granite-4.0-H-Tiny)",
+            "--parallel ep needs a MoE --model (Qwen3-30B-A3B, gpt-oss-20b, Qwen3.5-MoE, Qwen3-Next, "
+            "Granite-4.0-H-Tiny)",
         ),
         (
             ("e2e", "--nproc", "2", "--model", "Qwen3-30B-A3B", "--parallel", "ep", "--column", "stock sdpa"),

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 from fastft.e2e import models, report, run, stacks  # noqa: E402
 from fastft.e2e.stream import IGNORE, PAD_ID, micro_batches, packed_batch, padded  # noqa: E402
 
-HYBRIDS = ("Qwen3.5", "Qwen3.5-MoE")
+HYBRIDS = ("Qwen3.5", "Qwen3.5-MoE", "Qwen3-Next")
 
 
 def _lengths(rng, count, low, high):

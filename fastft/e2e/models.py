@@ -146,6 +146,29 @@ MODEL_CONFIGS = {
         ),
         4,
     ),
+    # Qwen3NextConfig's defaults (Qwen3-Next-80B-A3B's widths), 4 of its 48 layers (3 Gated DeltaNet, 1 full
+    # attention), every one MoE: 512 experts of width 512, top-10, and a shared expert
+    "Qwen3-Next": (
+        "Qwen3NextConfig",
+        dict(
+            hidden_size=2048,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            num_experts=512,
+            num_experts_per_tok=10,
+            num_hidden_layers=48,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            vocab_size=151936,
+        ),
+        4,
+    ),
     # Granite-4.0-H-Tiny (GraniteMoeHybrid): Mamba-2 layers with attention at every tenth (5, 15, 25, 35), a MoE
     # MLP (64 experts of width 512, top-6, a shared MLP of 1024) in every layer; its first 10 layers (9 Mamba-2, 1
     # attention) unless --layers says otherwise. Random weights; no position embedding in its attention layers.
