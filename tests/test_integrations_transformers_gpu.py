@@ -100,9 +100,8 @@ def test_real_size_hybrid_packed_step_matches_each_document_alone(name):
     layers up to and including its first attention layer (at least 4). MoE layers keep at most 64 experts and
     route every token to every one: with top-k routing, bf16 rounding flips near-tied experts differently in a
     packed row and in a document alone, and the gradients of the scans' decays (A_log) then differ by more than
-    stock's own bf16 error (Granite-4.0-H-Tiny: 0.084 against 0.046 with its top-6, 0.026 against 0.036 with
-    every expert) — noise this test does not measure; routing itself is tested packed against stock packed
-    above."""
+    stock's own bf16 error (Qwen3.5-MoE, Granite-4.0-H-Tiny; not with every expert routed) — noise this test
+    does not measure; routing itself is tested packed against stock packed above."""
     full = model_config(name, tiny=False, layers="all")
     layers = max(4, full.layer_types.index("full_attention") + 1)
     config = model_config(name, tiny=False, layers=layers)
