@@ -194,7 +194,8 @@ def test_which_columns_run_here():
 def test_one_answer_to_is_this_model_moe():
     for name, (config, fields, _) in MODEL_CONFIGS.items():
         experts = fields.get("num_experts", fields.get("num_local_experts", 0))
-        assert is_moe(name) == (experts > 0) == ("Moe" in config or config == "GptOssConfig"), name
+        moe_config = "Moe" in config or config in ("GptOssConfig", "Qwen3NextConfig")
+        assert is_moe(name) == (experts > 0) == moe_config, name
         assert num_experts(name) == experts and num_experts(name, tiny=True) == (8 if experts else 0)
         assert has_sinks(name) == (config == "GptOssConfig")
     assert is_moe("Qwen3.5-MoE") and not is_moe("Qwen3.5")
