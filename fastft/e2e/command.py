@@ -15,7 +15,7 @@ from fastft import cli
 
 from . import distributed, quant, report, run
 from .models import MODEL_CONFIGS as MODELS
-from .models import layers_arg
+from .models import layers_arg, parse_layers
 from .stacks import COLUMNS, build, column_inputs, why_not, why_not_on
 from .stream import KINDS, STREAM_CHOICES, model_stream
 from .train import train_step
@@ -176,15 +176,6 @@ On a CPU: tiny configs of a dense, a MoE and a hybrid model (--all: every model)
 size, and the table's speed ratios."""
 
 
-def _layers(text: str) -> int | str:
-    if text == "all":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of layers or 'all', got {text!r}") from None
-
-
 def add_parsers(sub) -> None:
     """``e2e`` and ``audit`` added to the CLI's subparsers ``sub``."""
     models = ", ".join(MODELS)
@@ -236,7 +227,7 @@ def add_parsers(sub) -> None:
     _stack_options(p)
     p.add_argument(
         "--layers",
-        type=_layers,
+        type=parse_layers,
         metavar="N",
         help="decoder layers each model keeps at real size: a number, or 'all' (the released model's depth); "
         "default the model table's (fewer for the large ones)",

@@ -6,6 +6,7 @@ real-size GPU tests build its models; ``sft_lengths`` gives the SFT document len
 
 from __future__ import annotations
 
+import argparse
 import functools
 import math
 
@@ -279,6 +280,17 @@ def layers_arg(name: str, layers: int | str | None) -> int:
     if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= full_depth(name):
         raise ValueError(f"layers must be an int in [1, {full_depth(name)}] or 'all' for {name}, got {layers!r}")
     return layers
+
+
+def parse_layers(text: str) -> int | str:
+    """``--layers``' value: ``"all"`` or an int (``layers_arg`` checks it against a model);
+    ``argparse.ArgumentTypeError`` otherwise."""
+    if text == "all":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of layers or 'all', got {text!r}") from None
 
 
 def model_config(name: str, tiny: bool, layers: int | str | None = None):

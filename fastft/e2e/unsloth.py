@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from .models import budget, has_mixers, is_moe, model_config
+from .models import budget, has_mixers, is_moe, model_config, parse_layers
 from .stacks import lora_targets, record_facts
 from .stream import stream_batches
 from .train import failed_steps, record, train_primed
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--quant", choices=("nf4",))
-    p.add_argument("--layers", type=lambda v: v if v == "all" else int(v))
+    p.add_argument("--layers", type=parse_layers)
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
     for key, value in QUIET.items():
