@@ -109,10 +109,11 @@ def test_the_worker_record_is_read_back_and_its_rows_checked(monkeypatch):
         worker.run_column("Qwen3-0.6B", "padding-free", "unsloth", CPU, True, batches, 1)
 
 
-def test_local_model_folder_round_trips_offline(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["Qwen3-0.6B", "Qwen3-30B-A3B"])
+def test_local_model_folder_round_trips_offline(tmp_path, monkeypatch, name):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(models.model_config("Qwen3-0.6B", tiny=True))
+    model = transformers.AutoModelForCausalLM.from_config(models.model_config(name, tiny=True))
     worker.save_model(model, str(tmp_path))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
     assert tokenizer.pad_token == "<pad>" and tokenizer.eos_token == "</s>" and len(tokenizer) == 256
@@ -121,4 +122,4 @@ def test_local_model_folder_round_trips_offline(tmp_path, monkeypatch):
     saved = dict(model.state_dict())
     assert loaded.state_dict().keys() == saved.keys()
     assert all(torch.equal(v, saved[k]) for k, v in loaded.state_dict().items())
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3"
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == model.config.model_type

@@ -172,8 +172,10 @@ def run_column(
 
 def save_model(model, folder: str) -> None:
     """``model`` (a transformers causal LM) saved to ``folder`` with a small word-level tokenizer (``tokenizer``),
-    so that loaders that need one there (Unsloth's) find it without going to the hub."""
-    model.save_pretrained(folder)
+    so that loaders that need one there (Unsloth's) find it without going to the hub. The weights keep the model's
+    own layout: reverting a MoE model's fused experts to per-expert checkpoint names copies the whole state dict at
+    once, on the weights' device (out of memory for Qwen3-30B-A3B on an 80 GB GPU)."""
+    model.save_pretrained(folder, save_original_format=False)
     tokenizer().save_pretrained(folder)
 
 
