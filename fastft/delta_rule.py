@@ -10,11 +10,13 @@ is the token-by-token loop in ``fastft/reference/delta_rule.py``.
 The op runs the chunked WY/UT-transform algorithm on a chunk layout in which no chunk spans two documents.
 ``chunk_table(info, chunk_size)`` builds that layout: tokens are gathered into ``[num_chunks_bound,
 chunk_size]`` slots (empty slots hold zeros: g = 0, beta = 0, q = k = v = 0), the intra-chunk part runs
-batched over all chunks in torch (autograd for its backward), the state is carried from chunk to chunk and
-zeroed where a chunk starts a document, and the outputs are gathered back. That carry (the sequential part)
-has two backends: ``triton`` (``chunk_scan_op``: a Triton scan forward and a reverse scan backward,
-``kernels/delta_rule.py``) and ``torch`` (``scan_chunks``, a Python loop over chunks, autograd for the
-backward; the specification of the Triton scan). The Triton backward reads the entering states the forward
+batched over all chunks, the state is carried from chunk to chunk and zeroed where a chunk starts a document,
+and the outputs are gathered back. Backends: ``torch`` (the intra-chunk part batched in torch with autograd
+for its backward, the carry ``scan_chunks``, a Python loop over chunks: the specification) and ``triton``
+(the carry ``chunk_scan_op``, a Triton scan forward and a reverse scan backward; with one decay per head and
+chunks of at most 64 tokens also the intra-chunk part, ``_TritonChunks``: ``intra_forward_op`` and
+``intra_backward_op``, ``kernels/delta_rule.py``, and the backward written out; with per-channel decays the
+intra-chunk part stays torch). The Triton backward reads the entering states the forward
 returned (the op keeps them anyway, for ``query @ states``) and writes the gradient of every chunk's leaving
 state, one more fp32 ``[H, num_chunks_bound, Dk, Dv]`` tensor (64 KiB per chunk and head at 128 x 128: 270
 MiB at T=8192, 32 heads, chunk 64) alive during the op's backward.
@@ -39,6 +41,9 @@ from .packing import PackedSeqInfo
 from .reference.delta_rule import l2norm
 
 MAX_CHUNK_SIZE = 256
+# The intra-chunk kernels hold a chunk's [C, C] products and [C, D] rows in registers: larger chunks run the
+# intra-chunk part in torch (the scan over chunks stays on Triton).
+_TRITON_INTRA_MAX_CHUNK = 64
 
 # The op's backend is that of its scan over chunks (the rest is torch on either).
 OP_SCAN = dispatch.register("delta_rule.chunk_scan")
@@ -231,6 +236,9 @@ def _chunked(q, k, v, g, beta, table: ChunkTable, scale: float, use_qk_l2norm: b
 
     query, key, value = chunks(q), chunks(k), chunks(v)
     beta = chunks(beta).squeeze(-1)
+    if backend == "triton" and not per_channel and c <= _TRITON_INTRA_MAX_CHUNK:
+        out = _TritonChunks.apply(query, key, value, beta, chunks(g).squeeze(-1), table.first)
+        return out.view(h, num_chunks * c, -1).transpose(0, 1).index_select(0, table.slot)
     v_beta = value * beta.unsqueeze(-1)
     k_beta = key * beta.unsqueeze(-1)
     if per_channel:
@@ -419,3 +427,111 @@ def _backward(ctx, dstates, dv_new):
 
 
 chunk_scan_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ---- the whole chunked algorithm on Triton (one decay per head) --------------------------------------------
+
+
+@custom_op("fastft::delta_rule_intra_forward")
+def intra_forward_op(
+    k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.delta_rule.intra_forward``: (T, w, u, k_decayed, chunk_decay, cum) fp32, not differentiable."""
+    from .kernels import delta_rule as kernels
+
+    return kernels.intra_forward(k, v, beta, g)
+
+
+@intra_forward_op.register_fake
+def _(k, v, beta, g):
+    h, nc, c, dk = k.shape
+    f32 = torch.float32
+    return (
+        k.new_empty(h, nc, c, c, dtype=f32),
+        k.new_empty(h, nc, c, dk, dtype=f32),
+        k.new_empty(h, nc, c, v.shape[-1], dtype=f32),
+        k.new_empty(h, nc, c, dk, dtype=f32),
+        k.new_empty(h, nc, dtype=f32),
+        k.new_empty(h, nc, c, dtype=f32),
+    )
+
+
+def _pair_decay(cum: torch.Tensor) -> torch.Tensor:
+    """``[..., C, C]``: ``exp(cum_i - cum_j)`` for ``j <= i``, 0 above the diagonal."""
+    c = cum.shape[-1]
+    upper = torch.ones(c, c, dtype=torch.bool, device=cum.device).triu(1)
+    return (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+
+
+@custom_op("fastft::delta_rule_intra_backward")
+def intra_backward_op(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    cum: torch.Tensor,
+    t: torch.Tensor,
+    u: torch.Tensor,
+    w: torch.Tensor,
+    du: torch.Tensor,
+    dw: torch.Tensor,
+    dk_decayed: torch.Tensor,
+    dchunk_decay: torch.Tensor,
+    dk: torch.Tensor,
+    dcum: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.delta_rule.intra_backward``: (dk, dv, dbeta, dg) fp32."""
+    from .kernels import delta_rule as kernels
+
+    return kernels.intra_backward(k, v, beta, cum, t, u, w, du, dw, dk_decayed, dchunk_decay, dk, dcum)
+
+
+@intra_backward_op.register_fake
+def _(k, v, beta, cum, t, u, w, du, dw, dk_decayed, dchunk_decay, dk, dcum):
+    f32 = torch.float32
+    return (
+        k.new_empty(k.shape, dtype=f32),
+        v.new_empty(v.shape, dtype=f32),
+        k.new_empty(beta.shape, dtype=f32),
+        k.new_empty(cum.shape, dtype=f32),
+    )
+
+
+class _TritonChunks(torch.autograd.Function):
+    """``_chunked``'s algorithm for one log decay per head, its intra-chunk part on Triton (``intra_forward_op``)
+    and its backward written out (``_chunked``'s autograd graph is its specification): with per chunk ``cum``
+    the cumulative log decay, ``G_ij = exp(cum_i - cum_j)`` (j <= i), ``L`` the strictly lower part of
+    ``(k beta) k^T * G`` and ``T = (I + L)^-1``: ``u = T (v beta)``, ``w = T (k beta exp(cum))``, the scan over
+    chunks (states, v_new), and ``o = (q exp(cum)) states + ((q k^T) * G) v_new``. Backward through ``T``:
+    ``d(v beta) = T^T du``, ``dx = T^T dw``, ``dL = -(d(v beta) u^T + dx w^T)`` on the strictly lower part.
+    Inputs: the chunk layout's query (normalised, scaled), key, value ``[H, NC, C, D]``, beta and the log
+    decay ``[H, NC, C]`` fp32, first ``[NC]``."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, beta, decay, first):
+        t, w, u, k_decayed, chunk_decay, cum = intra_forward_op(key, value, beta, decay)
+        states, v_new = chunk_scan_op(w, u, k_decayed, chunk_decay, first)
+        p = (query @ key.transpose(-1, -2)) * _pair_decay(cum)
+        out = (query * cum.exp().unsqueeze(-1)) @ states + p @ v_new
+        ctx.save_for_backward(query, key, value, beta, first, t, w, u, k_decayed, chunk_decay, cum, states, v_new)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        query, key, value, beta, first, t, w, u, k_decayed, chunk_decay, cum, states, v_new = ctx.saved_tensors
+        g = _pair_decay(cum)
+        e = cum.exp().unsqueeze(-1)
+        qd = query * e
+        # out = qd @ states + p @ v_new, p = (q k^T) * G
+        p = (query @ key.transpose(-1, -2)) * g
+        dp = d_out @ v_new.transpose(-1, -2)
+        dqd = d_out @ states.transpose(-1, -2)
+        dw, du, dkd, dcd = chunk_scan_backward_op.op(
+            w, k_decayed, chunk_decay, first, states, v_new, qd.transpose(-1, -2) @ d_out, p.transpose(-1, -2) @ d_out
+        )
+        dpg, dgam = dp * g, dp * p
+        dq = dpg @ key + dqd * e
+        dcum = dgam.sum(-1) - dgam.sum(-2) + (dqd * qd).sum(-1)
+        dk, dv, dbeta, ddecay = intra_backward_op(
+            key, value, beta, cum, t, u, w, du, dw, dkd, dcd, dpg.transpose(-1, -2) @ query, dcum
+        )
+        return dq, dk, dv, dbeta, ddecay, None

@@ -1,4 +1,5 @@
-"""Triton kernels for the sequential part of fastft.delta_rule's chunked gated delta rule: the scan over chunks.
+"""Triton kernels for fastft.delta_rule's chunked gated delta rule: the scan over chunks (its sequential part)
+and, for one log decay per head, the intra-chunk part.
 
 ``chunk_scan(w, u, k_decayed, chunk_decay, first, ...)`` computes what ``fastft.delta_rule.scan_chunks``
 computes (its specification): for each head, chunk after chunk, the state entering the chunk (zeroed where
@@ -20,6 +21,11 @@ One program per (head, block of BV value columns) keeps its ``[Dk, BV]`` slice o
 registers for the whole scan; every column of the state evolves alone, so the blocks never communicate. fp32
 throughout; on NVIDIA GPUs from sm80 the products run on tensor cores in 3xTF32 (each fp32 operand split into a
 TF32 high part and the TF32 rest, three products summed: fp32's accuracy, not TF32's), elsewhere in IEEE fp32.
+
+``intra_forward`` / ``intra_backward`` run one program per (head, chunk of at most 64 tokens), all chunks at
+once: the chunk's ``T = (I + L)^-1`` (blocks of 16 by forward substitution, merged by products), ``w``, ``u``
+and the decays, and their backward through ``T`` without a solve. ``fastft.delta_rule._TritonChunks`` states
+the algorithm; the torch backend's autograd graph is its specification.
 """
 
 from __future__ import annotations
@@ -231,3 +237,254 @@ def chunk_scan_backward(
         num_warps=num_warps,
     )
     return ds, du
+
+
+# The intra-chunk kernels run 4 warps: Triton 3.6 builds them with 8 over 16-wide operands into wrong results and
+# illegal memory accesses.
+_INTRA_WARPS = 4
+# The intra-chunk backward takes the head dimension 32 columns at a time, so that its tiles fit in registers.
+_INTRA_BACKWARD_COLUMNS = 32
+
+
+@triton.jit
+def _intra_forward_kernel(
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    g_ptr,
+    t_ptr,
+    w_ptr,
+    u_ptr,
+    kd_ptr,
+    cd_ptr,
+    cum_ptr,
+    C,
+    DK,
+    DV,
+    DOT: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    chunk = tl.program_id(0).to(tl.int64)  # over H * NC
+    oc = tl.arange(0, BC)
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BV)
+    mc = oc < C
+    ck = mc[:, None] & (ok[None, :] < DK)
+    cv = mc[:, None] & (ov[None, :] < DV)
+    cc = mc[:, None] & (oc[None, :] < C)
+    g = tl.load(g_ptr + chunk * C + oc, mask=mc, other=0.0)
+    beta = tl.load(beta_ptr + chunk * C + oc, mask=mc, other=0.0)
+    cum = tl.cumsum(g, 0)
+    k = tl.load(k_ptr + chunk * C * DK + oc[:, None] * DK + ok[None, :], mask=ck, other=0.0)
+    kb = k * beta[:, None]
+    # L: the strictly lower part of (k_beta k^T) * exp(cum_i - cum_j); the exponent is taken where j < i only
+    # (above the diagonal it is >= 0 and may overflow)
+    strict = oc[:, None] > oc[None, :]
+    decay = tl.exp(tl.where(strict, cum[:, None] - cum[None, :], 0.0))
+    lower = tl.where(strict, tl.dot(kb, tl.trans(k), input_precision=DOT) * decay, 0.0)
+    # T = (I + L)^-1 in blocks of 16 (BC <= 64: at most four). D, the inverse of L's block diagonal (I + B), by
+    # forward substitution in all blocks at once, one row of each per step: T_i = e_i - sum_{j<i} B_ij T_j.
+    # Then with N = D (L - B), strictly block lower (N^4 = 0): (I + L)^-1 = (I + N)^-1 D = (I - N)(I + N^2) D.
+    eye = (oc[:, None] == oc[None, :]).to(tl.float32)
+    same = (oc[:, None] // 16) == (oc[None, :] // 16)
+    t = eye
+    for i in range(1, 16):
+        row = (oc[:, None] % 16) == i
+        t = tl.where(row, eye - tl.dot(tl.where(row & same, lower, 0.0), t, input_precision=DOT), t)
+    n = tl.dot(t, tl.where(same, 0.0, lower), input_precision=DOT)
+    t = tl.dot(tl.dot(eye - n, eye + tl.dot(n, n, input_precision=DOT), input_precision=DOT), t, input_precision=DOT)
+    tl.store(t_ptr + chunk * C * C + oc[:, None] * C + oc[None, :], t, mask=cc)
+    w = tl.dot(t, kb * tl.exp(cum)[:, None], input_precision=DOT)
+    tl.store(w_ptr + chunk * C * DK + oc[:, None] * DK + ok[None, :], w, mask=ck)
+    v = tl.load(v_ptr + chunk * C * DV + oc[:, None] * DV + ov[None, :], mask=cv, other=0.0)
+    u = tl.dot(t, v * beta[:, None], input_precision=DOT)
+    tl.store(u_ptr + chunk * C * DV + oc[:, None] * DV + ov[None, :], u, mask=cv)
+    last = tl.sum(tl.where(oc == C - 1, cum, 0.0), 0)
+    kd = k * tl.exp(last - cum)[:, None]
+    tl.store(kd_ptr + chunk * C * DK + oc[:, None] * DK + ok[None, :], kd, mask=ck)
+    tl.store(cd_ptr + chunk, tl.exp(last))
+    tl.store(cum_ptr + chunk * C + oc, cum, mask=mc)
+
+
+def intra_forward(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The intra-chunk part of the chunked gated delta rule (one log decay per head and token), per chunk of at most
+    64 tokens, for fp32 k ``[H, NC, C, Dk]``, v ``[H, NC, C, Dv]``, beta and g ``[H, NC, C]``: with ``cum`` the
+    cumulative sum of g along the chunk and ``L`` the strictly lower part of ``(k * beta) k^T * exp(cum_i - cum_j)``,
+    returns fp32 (T ``[H, NC, C, C]`` = ``(I + L)^-1``, w = ``T ((k * beta) * exp(cum))``, u = ``T (v * beta)``,
+    k_decayed = ``k * exp(cum_last - cum)``, chunk_decay ``[H, NC]`` = ``exp(cum_last)``, cum ``[H, NC, C]``)."""
+    h, nc, c, dk = k.shape
+    dv = v.shape[-1]
+    if c > 64:
+        raise ValueError(f"k: chunks of at most 64 tokens (its blocked inverse has four blocks of 16), got {c}")
+    k, v, beta, g = (x.float().contiguous() for x in (k, v, beta, g))
+    t = k.new_empty(h, nc, c, c)
+    w = k.new_empty(h, nc, c, dk)
+    u = k.new_empty(h, nc, c, dv)
+    kd = k.new_empty(h, nc, c, dk)
+    cd = k.new_empty(h, nc)
+    cum = k.new_empty(h, nc, c)
+    if h * nc == 0:
+        return t, w, u, kd, cd, cum
+    bc, bk, bv = (max(16, next_power_of_2(n)) for n in (c, dk, dv))
+    launch(
+        _intra_forward_kernel,
+        (h * nc,),
+        k,
+        v,
+        beta,
+        g,
+        t,
+        w,
+        u,
+        kd,
+        cd,
+        cum,
+        c,
+        dk,
+        dv,
+        DOT=_dot_precision(k.device),
+        BC=bc,
+        BK=bk,
+        BV=bv,
+        num_warps=_INTRA_WARPS,
+    )
+    return t, w, u, kd, cd, cum
+
+
+@triton.jit
+def _intra_backward_kernel(
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    cum_ptr,
+    t_ptr,
+    u_ptr,
+    w_ptr,
+    du_ptr,
+    dw_ptr,
+    dkd_ptr,
+    dcd_ptr,
+    dk_in_ptr,
+    dcum_ptr,
+    dk_ptr,
+    dv_ptr,
+    dbeta_ptr,
+    dg_ptr,
+    C,
+    DK,
+    DV,
+    DOT: tl.constexpr,
+    BC: tl.constexpr,
+    BD: tl.constexpr,
+):
+    # The [C, D] rows are taken BD columns at a time (three passes), so that only [C, C] and [C, BD] tiles live.
+    chunk = tl.program_id(0).to(tl.int64)
+    oc = tl.arange(0, BC)
+    od = tl.arange(0, BD)
+    mc = oc < C
+    cc = mc[:, None] & (oc[None, :] < C)
+    beta = tl.load(beta_ptr + chunk * C + oc, mask=mc, other=0.0)
+    cum = tl.load(cum_ptr + chunk * C + oc, mask=mc, other=0.0)
+    last = tl.sum(tl.where(oc == C - 1, cum, 0.0), 0)
+    e = tl.exp(cum)
+    kd_factor = tl.exp(last - cum)
+    tt = tl.trans(tl.load(t_ptr + chunk * C * C + oc[:, None] * C + oc[None, :], mask=cc, other=0.0))
+    # u = T (v beta), w = T x: d(v beta) = T^T du, dx = T^T dw, dL = -(d(v beta) u^T + dx w^T), strictly lower
+    dl = tl.zeros((BC, BC), dtype=tl.float32)
+    dbeta = tl.zeros((BC,), dtype=tl.float32)
+    for d0 in range(0, DV, BD):
+        cv = mc[:, None] & (d0 + od[None, :] < DV)
+        vv = chunk * C * DV + oc[:, None] * DV + d0 + od[None, :]
+        dvb = tl.dot(tt, tl.load(du_ptr + vv, mask=cv, other=0.0), input_precision=DOT)
+        dl += tl.dot(dvb, tl.trans(tl.load(u_ptr + vv, mask=cv, other=0.0)), input_precision=DOT)
+        tl.store(dv_ptr + vv, dvb * beta[:, None], mask=cv)
+        dbeta += tl.sum(dvb * tl.load(v_ptr + vv, mask=cv, other=0.0), 1)
+    # ... and A = (k beta) k^T, of which L = A * G on the strictly lower part
+    a = tl.zeros((BC, BC), dtype=tl.float32)
+    for d0 in range(0, DK, BD):
+        ck = mc[:, None] & (d0 + od[None, :] < DK)
+        kk = chunk * C * DK + oc[:, None] * DK + d0 + od[None, :]
+        dx = tl.dot(tt, tl.load(dw_ptr + kk, mask=ck, other=0.0), input_precision=DOT)
+        dl += tl.dot(dx, tl.trans(tl.load(w_ptr + kk, mask=ck, other=0.0)), input_precision=DOT)
+        k = tl.load(k_ptr + kk, mask=ck, other=0.0)
+        a += tl.dot(k * beta[:, None], tl.trans(k), input_precision=DOT)
+    strict = oc[:, None] > oc[None, :]
+    dlg = tl.where(strict, -dl * tl.exp(tl.where(strict, cum[:, None] - cum[None, :], 0.0)), 0.0)
+    dgam = dlg * a
+    dcum = tl.load(dcum_ptr + chunk * C + oc, mask=mc, other=0.0) + tl.sum(dgam, 1) - tl.sum(dgam, 0)
+    # dk = dlg^T (k beta) + d(k beta) beta + dkd * exp(last - cum) + the share through the rest of the op, with
+    # d(k beta) = dlg k + dx exp(cum)
+    kdd = tl.zeros((BC,), dtype=tl.float32)
+    for d0 in range(0, DK, BD):
+        ck = mc[:, None] & (d0 + od[None, :] < DK)
+        kk = chunk * C * DK + oc[:, None] * DK + d0 + od[None, :]
+        k = tl.load(k_ptr + kk, mask=ck, other=0.0)
+        kb = k * beta[:, None]
+        dx = tl.dot(tt, tl.load(dw_ptr + kk, mask=ck, other=0.0), input_precision=DOT)
+        dkb = tl.dot(dlg, k, input_precision=DOT) + dx * e[:, None]
+        dkd = tl.load(dkd_ptr + kk, mask=ck, other=0.0)
+        dk = tl.dot(tl.trans(dlg), kb, input_precision=DOT) + dkb * beta[:, None] + dkd * kd_factor[:, None]
+        dk += tl.load(dk_in_ptr + kk, mask=ck, other=0.0)
+        tl.store(dk_ptr + kk, dk, mask=ck)
+        dbeta += tl.sum(dkb * k, 1)
+        dcum += tl.sum(dx * kb, 1) * e
+        kdd += tl.sum(dkd * k, 1)
+    kdd *= kd_factor
+    dcum -= kdd
+    dcd = tl.load(dcd_ptr + chunk)
+    dcum += tl.where(oc == C - 1, tl.sum(kdd, 0) + dcd * tl.exp(last), 0.0)
+    tl.store(dbeta_ptr + chunk * C + oc, dbeta, mask=mc)
+    # cum = cumsum(g) along the chunk: dg_j = sum_{i >= j} dcum_i
+    dcum = tl.where(mc, dcum, 0.0)
+    tl.store(dg_ptr + chunk * C + oc, tl.sum(dcum, 0) - tl.cumsum(dcum, 0) + dcum, mask=mc)
+
+
+def intra_backward(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    cum: torch.Tensor,
+    t: torch.Tensor,
+    u: torch.Tensor,
+    w: torch.Tensor,
+    du: torch.Tensor,
+    dw: torch.Tensor,
+    dk_decayed: torch.Tensor,
+    dchunk_decay: torch.Tensor,
+    dk: torch.Tensor,
+    dcum: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``intra_forward``'s backward: from its inputs k, v, beta, outputs cum, T, u, w and the gradients of u, w,
+    k_decayed and chunk_decay, plus the gradients that k (``dk``) and cum (``dcum``) already have from the rest of
+    the op, returns fp32 (dk, dv, dbeta, dg) of k, v, beta and the log decays g (``cum``'s cumulative sum along
+    the chunk taken back); the returned dk includes the ``dk`` given."""
+    h, nc, c, dk_dim = k.shape
+    dv_dim = v.shape[-1]
+    f = [x.float().contiguous() for x in (k, v, beta, cum, t, u, w, du, dw, dk_decayed, dchunk_decay, dk, dcum)]
+    dk = f[0].new_empty(h, nc, c, dk_dim)
+    dv = f[1].new_empty(h, nc, c, dv_dim)
+    dbeta = f[0].new_empty(h, nc, c)
+    dg = f[0].new_empty(h, nc, c)
+    if h * nc == 0:
+        return dk, dv, dbeta, dg
+    bc = max(16, next_power_of_2(c))
+    bd = max(16, min(_INTRA_BACKWARD_COLUMNS, next_power_of_2(max(dk_dim, dv_dim))))
+    launch(
+        _intra_backward_kernel,
+        (h * nc,),
+        *f,
+        dk,
+        dv,
+        dbeta,
+        dg,
+        c,
+        dk_dim,
+        dv_dim,
+        DOT=_dot_precision(k.device),
+        BC=bc,
+        BD=bd,
+        num_warps=_INTRA_WARPS,
+    )
+    return dk, dv, dbeta, dg

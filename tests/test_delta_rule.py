@@ -18,6 +18,8 @@ from fastft.delta_rule import (
     chunk_scan_op,
     chunk_table,
     gated_delta_rule,
+    intra_backward_op,
+    intra_forward_op,
     pairwise,
     scan_chunks,
 )
@@ -199,6 +201,7 @@ def test_pairwise_matches_direct_sum(rng, c):
         ([8, 8, 16, 8], 8),  # exactly chunk-length documents (and two chunks)
         ([21, 1, 9, 30, 2], 8),  # longer than a chunk, ends mid-chunk
         ([70, 1, 64, 33], 64),  # the model's chunk size
+        ([70, 1, 150, 33], 128),  # past the Triton intra-chunk kernels' 64: that part in torch
     ],
 )
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -352,6 +355,57 @@ def test_triton_chunk_scan_passes_opcheck(device, rng):
     states, v_new = chunk_scan_op(w, u, kd, decay, first)
     grads = [torch.randn(x.shape, generator=rng).to(device) for x in (states, v_new)]
     torch.library.opcheck(chunk_scan_backward_op.op, (w, kd, decay, first, states, v_new, *grads))
+
+
+# ---- the intra-chunk kernels (one decay per head) against torch ------------------------------------------
+
+
+def intra_inputs(g, h, nc, c, dk, dv, device):
+    k = torch.nn.functional.normalize(torch.randn(h, nc, c, dk, generator=g), dim=-1)
+    v = torch.randn(h, nc, c, dv, generator=g)
+    beta, decay = torch.rand(h, nc, c, generator=g), -torch.rand(h, nc, c, generator=g) * 2
+    return [x.to(device) for x in (k, v, beta, decay)]
+
+
+@pytest.mark.parametrize("h, nc, c, dk, dv", [(2, 3, 16, 8, 24), (1, 2, 5, 7, 3), (1, 2, 64, 32, 16)])
+def test_intra_forward_matches_torch(device, rng, h, nc, c, dk, dv):
+    """T = (I + L)^-1 (forward substitution in the kernel; a triangular solve here), w, u, k_decayed, the chunk's
+    decay and the cumulative log decays, fp32."""
+    k, v, beta, decay = intra_inputs(rng, h, nc, c, dk, dv, device)
+    got = intra_forward_op(k, v, beta, decay)
+    cum = decay.cumsum(-1)
+    strict = torch.ones(c, c, dtype=torch.bool, device=device).tril(-1)
+    lower = (k * beta[..., None]) @ k.transpose(-1, -2) * (cum[..., :, None] - cum[..., None, :]).exp() * strict
+    eye = torch.eye(c, device=device).expand_as(lower)
+    t = torch.linalg.solve_triangular(eye + lower, eye, upper=False, unitriangular=True)
+    want = (
+        t,
+        t @ (k * (beta * cum.exp())[..., None]),
+        t @ (v * beta[..., None]),
+        k * (cum[..., -1:] - cum).exp()[..., None],
+        cum[..., -1].exp(),
+        cum,
+    )
+    for name, a, e in zip(("T", "w", "u", "k_decayed", "chunk_decay", "cum"), got, want):
+        assert a.shape == e.shape and a.dtype == torch.float32
+        assert_close_to(a, e, name)
+
+
+@pytest.mark.parametrize("dk, dv, c", [(40, 72, 16), (64, 32, 64)])
+def test_widths_past_one_block_of_columns(device, rng, dk, dv, c):
+    """The intra-chunk backward takes the head dimension 32 columns at a time: widths of several blocks, one cut
+    short, against the token loop (forward and gradients)."""
+    lengths = [37, 1, 70, 20]
+    info = fastft.packed_seq_info(seq_lengths=lengths, device=device)
+    check_against_reference(info, random_inputs(rng, 1, sum(lengths), 2, dk, dv, device), c, "triton")
+
+
+def test_intra_ops_pass_opcheck(device, rng):
+    k, v, beta, decay = intra_inputs(rng, 1, 2, 4, 4, 8, device)
+    torch.library.opcheck(intra_forward_op.op, (k, v, beta, decay))
+    t, w, u, kd, cd, cum = intra_forward_op(k, v, beta, decay)
+    grads = [torch.randn(x.shape, generator=rng).to(device) for x in (u, w, kd, cd, k, cum)]
+    torch.library.opcheck(intra_backward_op.op, (k, v, beta, cum, t, u, w, *grads))
 
 
 # ---- transformers' implementation, one document at a time -------------------------------------------------
