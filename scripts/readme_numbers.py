@@ -40,6 +40,16 @@ def _kind(column: str) -> str | None:
     return None
 
 
+def _quant(row: dict) -> str | None:
+    """The row's quantization, None for none (older records leave it out, ``--json`` writes "none")."""
+    quant = row.get("quant")
+    return None if quant in (None, "none") else quant
+
+
+def _key(row: dict) -> tuple:
+    return row["model"], row.get("stream"), _quant(row)
+
+
 def _usable(row: dict) -> bool:
     return not row.get("leaks") and not row.get("error") and row.get("tokens_per_s") is not None
 
@@ -54,15 +64,15 @@ def comparisons(runs: list[dict]) -> list[dict]:
     keys = []
     for run in runs:
         for r in run["rows"]:
-            key = (r["model"], r.get("stream"), r.get("quant"))
+            key = _key(r)
             if key not in keys:
                 keys.append(key)
-    keys.sort(key=lambda k: (ORDER.index(k[0]) if k[0] in ORDER else len(ORDER), k))
+    keys.sort(key=lambda k: (ORDER.index(k[0]) if k[0] in ORDER else len(ORDER), k[0], k[1] or "", k[2] or ""))
     out = []
     for key in keys:
         for kind in ("stock", "Unsloth"):
             for run in reversed(runs):  # newest first
-                rows = [r for r in run["rows"] if (r["model"], r.get("stream"), r.get("quant")) == key]
+                rows = [r for r in run["rows"] if _key(r) == key]
                 peer, fastft = _fastest(rows, kind), _fastest(rows, "fastft")
                 if peer and fastft:
                     out.append(dict(peer=peer, fastft=fastft, run=run))
@@ -72,8 +82,8 @@ def comparisons(runs: list[dict]) -> list[dict]:
 
 def _model(row: dict) -> str:
     extra = [f"{row['layers']} layers"] if row.get("layers") else []
-    if row.get("quant"):
-        extra.append(row["quant"].upper())
+    if _quant(row):
+        extra.append(_quant(row).upper())
     return f"{row['model']} ({', '.join(extra)})" if extra else row["model"]
 
 
