@@ -13,8 +13,8 @@ chunk_size]`` slots (empty slots hold zeros: g = 0, beta = 0, q = k = v = 0), th
 batched over all chunks, the state is carried from chunk to chunk and zeroed where a chunk starts a document,
 and the outputs are gathered back. Backends: ``torch`` (the intra-chunk part batched in torch with autograd
 for its backward, the carry ``scan_chunks``, a Python loop over chunks: the specification) and ``triton``
-(the carry ``chunk_scan_op``, a Triton scan forward and a reverse scan backward; with one decay per head and
-chunks of at most 64 tokens also the intra-chunk part, ``_TritonChunks``: ``intra_forward_op`` and
+(the carry ``chunk_scan_op``, a Triton scan forward and a reverse scan backward; with one decay per head,
+chunks of at most 64 tokens and heads of at most 128 also the intra-chunk part, ``_TritonChunks``: ``intra_forward_op`` and
 ``intra_backward_op``, ``kernels/delta_rule.py``, and the backward written out; with per-channel decays the
 intra-chunk part stays torch). The Triton backward reads the entering states the forward
 returned (the op keeps them anyway, for ``query @ states``) and writes the gradient of every chunk's leaving
@@ -41,9 +41,10 @@ from .packing import PackedSeqInfo
 from .reference.delta_rule import l2norm
 
 MAX_CHUNK_SIZE = 256
-# The intra-chunk kernels hold a chunk's [C, C] products and [C, D] rows in registers: larger chunks run the
-# intra-chunk part in torch (the scan over chunks stays on Triton).
+# The intra-chunk kernels hold a chunk's [C, C] products and [C, D] rows in registers: larger chunks or heads run
+# the intra-chunk part in torch (the scan over chunks stays on Triton).
 _TRITON_INTRA_MAX_CHUNK = 64
+_TRITON_INTRA_MAX_WIDTH = 128
 
 # The op's backend is that of its scan over chunks (the rest is torch on either).
 OP_SCAN = dispatch.register("delta_rule.chunk_scan")
@@ -236,7 +237,8 @@ def _chunked(q, k, v, g, beta, table: ChunkTable, scale: float, use_qk_l2norm: b
 
     query, key, value = chunks(q), chunks(k), chunks(v)
     beta = chunks(beta).squeeze(-1)
-    if backend == "triton" and not per_channel and c <= _TRITON_INTRA_MAX_CHUNK:
+    triton_intra = c <= _TRITON_INTRA_MAX_CHUNK and max(q.shape[-1], v.shape[-1]) <= _TRITON_INTRA_MAX_WIDTH
+    if backend == "triton" and not per_channel and triton_intra:
         out = _TritonChunks.apply(query, key, value, beta, chunks(g).squeeze(-1), table.first)
         return out.view(h, num_chunks * c, -1).transpose(0, 1).index_select(0, table.slot)
     v_beta = value * beta.unsqueeze(-1)

@@ -391,10 +391,11 @@ def test_intra_forward_matches_torch(device, rng, h, nc, c, dk, dv):
         assert_close_to(a, e, name)
 
 
-@pytest.mark.parametrize("dk, dv, c", [(40, 72, 16), (64, 32, 64)])
+@pytest.mark.parametrize("dk, dv, c", [(40, 72, 16), (64, 32, 64), (8, 136, 16)])
 def test_widths_past_one_block_of_columns(device, rng, dk, dv, c):
     """The intra-chunk backward takes the head dimension 32 columns at a time: widths of several blocks, one cut
-    short, against the token loop (forward and gradients)."""
+    short, against the token loop (forward and gradients); heads wider than 128 (OLMo-Hybrid's values: 192) run
+    the intra-chunk part in torch."""
     lengths = [37, 1, 70, 20]
     info = fastft.packed_seq_info(seq_lengths=lengths, device=device)
     check_against_reference(info, random_inputs(rng, 1, sum(lengths), 2, dk, dv, device), c, "triton")
