@@ -8,18 +8,17 @@ same thing; on a packed row no document sees the state of the one before it. Wit
 is the token-by-token loop in ``fastft/reference/delta_rule.py``.
 
 The op runs the chunked WY/UT-transform algorithm on a chunk layout in which no chunk spans two documents.
-``chunk_table(info, chunk_size)`` builds that layout: tokens are gathered into ``[num_chunks_bound,
-chunk_size]`` slots (empty slots hold zeros: g = 0, beta = 0, q = k = v = 0), the intra-chunk part runs
-batched over all chunks, the state is carried from chunk to chunk and zeroed where a chunk starts a document,
-and the outputs are gathered back. Backends: ``torch`` (the intra-chunk part batched in torch with autograd
-for its backward, the carry ``scan_chunks``, a Python loop over chunks: the specification) and ``triton``
-(the carry ``chunk_scan_op``, a Triton scan forward and a reverse scan backward; with one decay per head,
-chunks of at most 64 tokens and heads of at most 128 also the intra-chunk part, ``_TritonChunks``: ``intra_forward_op`` and
-``intra_backward_op``, ``kernels/delta_rule.py``, and the backward written out; with per-channel decays the
-intra-chunk part stays torch). The Triton backward reads the entering states the forward
-returned (the op keeps them anyway, for ``query @ states``) and writes the gradient of every chunk's leaving
-state, one more fp32 ``[H, num_chunks_bound, Dk, Dv]`` tensor (64 KiB per chunk and head at 128 x 128: 270
-MiB at T=8192, 32 heads, chunk 64) alive during the op's backward.
+``chunk_table(info, chunk_size)`` builds that layout: tokens are gathered into ``[num_chunks_bound, chunk_size]``
+slots (empty slots hold zeros: g = 0, beta = 0, q = k = v = 0), the intra-chunk part runs batched over all chunks,
+the state is carried from chunk to chunk and zeroed where a chunk starts a document, and the outputs are gathered
+back. Backends: ``torch`` (the intra-chunk part batched in torch with autograd for its backward, the carry
+``scan_chunks``, a Python loop over chunks: the specification) and ``triton`` (the carry ``chunk_scan_op``, a
+Triton scan forward and a reverse scan backward; with one decay per head, chunks of at most 64 tokens and heads of
+at most 128 also the intra-chunk part, ``_TritonChunks``: ``intra_forward_op`` and ``intra_backward_op``,
+``kernels/delta_rule.py``, and the backward written out; otherwise the intra-chunk part stays torch). The Triton
+backward reads the entering states the forward returned (the op keeps them anyway, for ``query @ states``) and
+writes the gradient of every chunk's leaving state, one more fp32 ``[H, num_chunks_bound, Dk, Dv]`` tensor (64 KiB
+per chunk and head at 128 x 128: 270 MiB at T=8192, 32 heads, chunk 64) alive during the op's backward.
 
 GPU syncs: none when ``info`` came from host lengths / ``cu_seqlens``; from device position ids, the one
 ``PackedSeqInfo`` makes when ``num_seqs`` is first read (the chunk layout's size is bounded by it).
