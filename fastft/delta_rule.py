@@ -518,6 +518,11 @@ class _TritonChunks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out):
+        with torch.autocast(d_out.device.type, enabled=False):  # fp32, as the forward (autocast is off there)
+            return _TritonChunks._backward(ctx, d_out.float())
+
+    @staticmethod
+    def _backward(ctx, d_out):
         query, key, value, beta, first, t, w, u, k_decayed, chunk_decay, cum, states, v_new = ctx.saved_tensors
         g = _pair_decay(cum)
         e = cum.exp().unsqueeze(-1)

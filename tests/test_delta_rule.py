@@ -246,6 +246,21 @@ def test_bf16_inputs_and_autocast(device, rng, backend):
     torch.testing.assert_close(out.float(), expected, rtol=2**-7, atol=2**-7)
 
 
+def test_backward_under_autocast_stays_fp32(device, rng):
+    """The Triton path's written-out backward run inside an autocast region (a training loop that calls backward
+    there) computes the same fp32 gradients as outside it. (The torch backend's backward is PyTorch's own ops',
+    which autocast does reach there.)"""
+    backend = "triton"
+    info = fastft.packed_seq_info(seq_lengths=[5, 11], device=device)
+    inputs = random_inputs(rng, 1, 16, 2, 8, 8, device)
+    want = torch.autograd.grad(gated_delta_rule(*inputs, info, chunk_size=4, backend=backend).sum(), inputs)
+    out = gated_delta_rule(*inputs, info, chunk_size=4, backend=backend)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        got = torch.autograd.grad(out.sum(), inputs)
+    for name, a, e in zip(("dq", "dk", "dv", "dg", "dbeta"), got, want):
+        assert a.dtype == torch.float32 and torch.equal(a, e), name
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_works_under_checkpoint(device, rng, backend):
     info = fastft.packed_seq_info(seq_lengths=[6, 10], device=device)
