@@ -453,16 +453,16 @@ def intra_backward(
     dw: torch.Tensor,
     dk_decayed: torch.Tensor,
     dchunk_decay: torch.Tensor,
-    dk: torch.Tensor,
+    dk_in: torch.Tensor,
     dcum: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``intra_forward``'s backward: from its inputs k, v, beta, outputs cum, T, u, w and the gradients of u, w,
-    k_decayed and chunk_decay, plus the gradients that k (``dk``) and cum (``dcum``) already have from the rest of
+    k_decayed and chunk_decay, plus the gradients that k (``dk_in``) and cum (``dcum``) already have from the rest of
     the op, returns fp32 (dk, dv, dbeta, dg) of k, v, beta and the log decays g (``cum``'s cumulative sum along
-    the chunk taken back); the returned dk includes the ``dk`` given."""
+    the chunk taken back); the returned dk includes ``dk_in``."""
     h, nc, c, dk_dim = k.shape
     dv_dim = v.shape[-1]
-    f = [x.float().contiguous() for x in (k, v, beta, cum, t, u, w, du, dw, dk_decayed, dchunk_decay, dk, dcum)]
+    f = [x.float().contiguous() for x in (k, v, beta, cum, t, u, w, du, dw, dk_decayed, dchunk_decay, dk_in, dcum)]
     dk = f[0].new_empty(h, nc, c, dk_dim)
     dv = f[1].new_empty(h, nc, c, dv_dim)
     dbeta = f[0].new_empty(h, nc, c)
