@@ -14,8 +14,9 @@ the state is carried from chunk to chunk and zeroed where a chunk starts a docum
 back. Backends: ``torch`` (the intra-chunk part batched in torch with autograd for its backward, the carry
 ``scan_chunks``, a Python loop over chunks: the specification) and ``triton`` (the carry ``chunk_scan_op``, a
 Triton scan forward and a reverse scan backward; with one decay per head, chunks of at most 64 tokens and heads of
-at most 128 also the intra-chunk part, ``_TritonChunks``: ``intra_forward_op`` and ``intra_backward_op``,
-``kernels/delta_rule.py``, and the backward written out; otherwise the intra-chunk part stays torch). The Triton
+at most 128 also the intra-chunk part and the output's products, ``_TritonChunks``: ``intra_forward_op``,
+``intra_backward_op``, ``output_forward_op``, ``output_backward_op``, ``kernels/delta_rule.py``, and the backward
+written out; otherwise those stay torch). The Triton
 backward reads the entering states the forward returned (the op keeps them anyway, for ``query @ states``) and
 writes the gradient of every chunk's leaving state, one more fp32 ``[H, num_chunks_bound, Dk, Dv]`` tensor (64 KiB
 per chunk and head at 128 x 128: 270 MiB at T=8192, 32 heads, chunk 64) alive during the op's backward.
@@ -457,13 +458,6 @@ def _(k, v, beta, g):
     )
 
 
-def _pair_decay(cum: torch.Tensor) -> torch.Tensor:
-    """``[..., C, C]``: ``exp(cum_i - cum_j)`` for ``j <= i``, 0 above the diagonal."""
-    c = cum.shape[-1]
-    upper = torch.ones(c, c, dtype=torch.bool, device=cum.device).triu(1)
-    return (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
-
-
 @custom_op("fastft::delta_rule_intra_backward")
 def intra_backward_op(
     k: torch.Tensor,
@@ -497,22 +491,52 @@ def _(k, v, beta, cum, t, u, w, du, dw, dk_decayed, dchunk_decay, dk, dcum):
     )
 
 
+@custom_op("fastft::delta_rule_output_forward")
+def output_forward_op(
+    q: torch.Tensor, k: torch.Tensor, cum: torch.Tensor, states: torch.Tensor, v_new: torch.Tensor
+) -> torch.Tensor:
+    """``kernels.delta_rule.output_forward``: the output fp32, not differentiable."""
+    from .kernels import delta_rule as kernels
+
+    return kernels.output_forward(q, k, cum, states, v_new)
+
+
+@output_forward_op.register_fake
+def _(q, k, cum, states, v_new):
+    return v_new.new_empty(v_new.shape, dtype=torch.float32)
+
+
+@custom_op("fastft::delta_rule_output_backward")
+def output_backward_op(
+    q: torch.Tensor, k: torch.Tensor, cum: torch.Tensor, states: torch.Tensor, v_new: torch.Tensor, d_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.delta_rule.output_backward``: (dq, dk, dcum, dstates, dv_new) fp32."""
+    from .kernels import delta_rule as kernels
+
+    return kernels.output_backward(q, k, cum, states, v_new, d_out)
+
+
+@output_backward_op.register_fake
+def _(q, k, cum, states, v_new, d_out):
+    f32 = torch.float32
+    return tuple(x.new_empty(x.shape, dtype=f32) for x in (q, k, cum, states, v_new))
+
+
 class _TritonChunks(torch.autograd.Function):
-    """``_chunked``'s algorithm for one log decay per head, its intra-chunk part on Triton (``intra_forward_op``)
-    and its backward written out (``_chunked``'s autograd graph is its specification): with per chunk ``cum``
-    the cumulative log decay, ``G_ij = exp(cum_i - cum_j)`` (j <= i), ``L`` the strictly lower part of
-    ``(k beta) k^T * G`` and ``T = (I + L)^-1``: ``u = T (v beta)``, ``w = T (k beta exp(cum))``, the scan over
-    chunks (states, v_new), and ``o = (q exp(cum)) states + ((q k^T) * G) v_new``. Backward through ``T``:
-    ``d(v beta) = T^T du``, ``dx = T^T dw``, ``dL = -(d(v beta) u^T + dx w^T)`` on the strictly lower part.
-    Inputs: the chunk layout's query (normalised, scaled), key, value ``[H, NC, C, D]``, beta and the log
-    decay ``[H, NC, C]`` fp32, first ``[NC]``."""
+    """``_chunked``'s algorithm for one log decay per head on Triton (``intra_forward_op``, ``chunk_scan_op``,
+    ``output_forward_op``) and its backward written out (``_chunked``'s autograd graph is its specification):
+    with per chunk ``cum`` the cumulative log decay, ``G_ij = exp(cum_i - cum_j)`` (j <= i), ``L`` the strictly
+    lower part of ``(k beta) k^T * G`` and ``T = (I + L)^-1``: ``u = T (v beta)``, ``w = T (k beta exp(cum))``,
+    the scan over chunks (states, v_new), and ``o = (q exp(cum)) states + ((q k^T) * G) v_new``. Backward
+    through ``T``: ``d(v beta) = T^T du``, ``dx = T^T dw``, ``dL = -(d(v beta) u^T + dx w^T)`` on the strictly
+    lower part. Inputs: the chunk layout's query (normalised, scaled), key, value ``[H, NC, C, D]``, beta and the
+    log decay ``[H, NC, C]`` fp32, first ``[NC]``."""
 
     @staticmethod
     def forward(ctx, query, key, value, beta, decay, first):
         t, w, u, k_decayed, chunk_decay, cum = intra_forward_op(key, value, beta, decay)
         states, v_new = chunk_scan_op(w, u, k_decayed, chunk_decay, first)
-        p = (query @ key.transpose(-1, -2)) * _pair_decay(cum)
-        out = (query * cum.exp().unsqueeze(-1)) @ states + p @ v_new
+        out = output_forward_op(query, key, cum, states, v_new)
         ctx.save_for_backward(query, key, value, beta, first, t, w, u, k_decayed, chunk_decay, cum, states, v_new)
         return out
 
@@ -524,20 +548,7 @@ class _TritonChunks(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, d_out):
         query, key, value, beta, first, t, w, u, k_decayed, chunk_decay, cum, states, v_new = ctx.saved_tensors
-        g = _pair_decay(cum)
-        e = cum.exp().unsqueeze(-1)
-        qd = query * e
-        # out = qd @ states + p @ v_new, p = (q k^T) * G
-        p = (query @ key.transpose(-1, -2)) * g
-        dp = d_out @ v_new.transpose(-1, -2)
-        dqd = d_out @ states.transpose(-1, -2)
-        dw, du, dkd, dcd = chunk_scan_backward_op.op(
-            w, k_decayed, chunk_decay, first, states, v_new, qd.transpose(-1, -2) @ d_out, p.transpose(-1, -2) @ d_out
-        )
-        dpg, dgam = dp * g, dp * p
-        dq = dpg @ key + dqd * e
-        dcum = dgam.sum(-1) - dgam.sum(-2) + (dqd * qd).sum(-1)
-        dk, dv, dbeta, ddecay = intra_backward_op(
-            key, value, beta, cum, t, u, w, du, dw, dkd, dcd, dpg.transpose(-1, -2) @ query, dcum
-        )
+        dq, dk_out, dcum, dstates, dv_new = output_backward_op(query, key, cum, states, v_new, d_out)
+        dw, du, dkd, dcd = chunk_scan_backward_op.op(w, k_decayed, chunk_decay, first, states, v_new, dstates, dv_new)
+        dk, dv, dbeta, ddecay = intra_backward_op(key, value, beta, cum, t, u, w, du, dw, dkd, dcd, dk_out, dcum)
         return dq, dk, dv, dbeta, ddecay, None

@@ -488,3 +488,235 @@ def intra_backward(
         num_warps=_INTRA_WARPS,
     )
     return dk, dv, dbeta, dg
+
+
+# ---- the output's products ----------------------------------------------------------------------------------
+
+# The output kernels take the head dimensions this many columns at a time.
+_OUTPUT_COLUMNS = 32
+
+
+@triton.jit
+def _pair_decays(cum, oc):
+    """``[BC, BC]``: ``exp(cum_i - cum_j)`` for ``j <= i``, 0 above the diagonal."""
+    lower = oc[:, None] >= oc[None, :]
+    return tl.where(lower, tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def _scores(q_ptr, k_ptr, chunk, oc, mc, C, DK, DOT: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr):
+    """``[BC, BC]``: the chunk's ``q k^T``, the key dimension BD columns at a time."""
+    od = tl.arange(0, BD)
+    s = tl.zeros((BC, BC), dtype=tl.float32)
+    for d0 in range(0, DK, BD):
+        ck = mc[:, None] & (d0 + od[None, :] < DK)
+        kk = chunk * C * DK + oc[:, None] * DK + d0 + od[None, :]
+        q = tl.load(q_ptr + kk, mask=ck, other=0.0)
+        k = tl.load(k_ptr + kk, mask=ck, other=0.0)
+        s += tl.dot(q, tl.trans(k), input_precision=DOT)
+    return s
+
+
+@triton.jit
+def _output_forward_kernel(
+    q_ptr,
+    k_ptr,
+    cum_ptr,
+    states_ptr,
+    vnew_ptr,
+    o_ptr,
+    C,
+    DK,
+    DV,
+    DOT: tl.constexpr,
+    BC: tl.constexpr,
+    BD: tl.constexpr,
+):
+    chunk = tl.program_id(0).to(tl.int64)
+    v0 = tl.program_id(1) * BD
+    oc, od = tl.arange(0, BC), tl.arange(0, BD)
+    mc = oc < C
+    cum = tl.load(cum_ptr + chunk * C + oc, mask=mc, other=0.0)
+    cv = mc[:, None] & (v0 + od[None, :] < DV)
+    vv = chunk * C * DV + oc[:, None] * DV + v0 + od[None, :]
+    # o = exp(cum) * (q S) + ((q k^T) * G) v_new
+    qs = tl.zeros((BC, BD), dtype=tl.float32)
+    s = tl.zeros((BC, BC), dtype=tl.float32)
+    for d0 in range(0, DK, BD):
+        ck = mc[:, None] & (d0 + od[None, :] < DK)
+        kk = chunk * C * DK + oc[:, None] * DK + d0 + od[None, :]
+        q = tl.load(q_ptr + kk, mask=ck, other=0.0)
+        s += tl.dot(q, tl.trans(tl.load(k_ptr + kk, mask=ck, other=0.0)), input_precision=DOT)
+        sm = (d0 + od[:, None] < DK) & (v0 + od[None, :] < DV)
+        st = tl.load(states_ptr + chunk * DK * DV + (d0 + od[:, None]) * DV + v0 + od[None, :], mask=sm, other=0.0)
+        qs += tl.dot(q, st, input_precision=DOT)
+    vnew = tl.load(vnew_ptr + vv, mask=cv, other=0.0)
+    o = qs * tl.exp(cum)[:, None] + tl.dot(s * _pair_decays(cum, oc), vnew, input_precision=DOT)
+    tl.store(o_ptr + vv, o, mask=cv)
+
+
+def output_forward(
+    q: torch.Tensor, k: torch.Tensor, cum: torch.Tensor, states: torch.Tensor, v_new: torch.Tensor
+) -> torch.Tensor:
+    """The chunked gated delta rule's output, per chunk: fp32 ``o = exp(cum) * (q S) + ((q k^T) * G) v_new``
+    ``[H, NC, C, Dv]`` with ``G_ij = exp(cum_i - cum_j)`` for ``j <= i`` (0 above), for fp32 q, k ``[H, NC, C,
+    Dk]``, the cumulative log decays cum ``[H, NC, C]``, the entering states S ``[H, NC, Dk, Dv]`` and v_new
+    ``[H, NC, C, Dv]``."""
+    h, nc, c, dk = q.shape
+    dv = v_new.shape[-1]
+    q, k, cum, states, v_new = (x.float().contiguous() for x in (q, k, cum, states, v_new))
+    o = q.new_empty(h, nc, c, dv)
+    if h * nc == 0:
+        return o
+    bd = max(16, min(_OUTPUT_COLUMNS, next_power_of_2(max(dk, dv))))
+    launch(
+        _output_forward_kernel,
+        (h * nc, cdiv(dv, bd)),
+        q,
+        k,
+        cum,
+        states,
+        v_new,
+        o,
+        c,
+        dk,
+        dv,
+        DOT=_dot_precision(q.device),
+        BC=max(16, next_power_of_2(c)),
+        BD=bd,
+        num_warps=_INTRA_WARPS,
+    )
+    return o
+
+
+@triton.jit
+def _output_backward_v_kernel(
+    q_ptr,
+    k_ptr,
+    cum_ptr,
+    do_ptr,
+    dstates_ptr,
+    dvnew_ptr,
+    C,
+    DK,
+    DV,
+    DOT: tl.constexpr,
+    BC: tl.constexpr,
+    BD: tl.constexpr,
+):
+    # d v_new = ((q k^T) * G)^T do, dS = (q exp(cum))^T do, for one block of value columns
+    chunk = tl.program_id(0).to(tl.int64)
+    v0 = tl.program_id(1) * BD
+    oc, od = tl.arange(0, BC), tl.arange(0, BD)
+    mc = oc < C
+    cum = tl.load(cum_ptr + chunk * C + oc, mask=mc, other=0.0)
+    e = tl.exp(cum)
+    cv = mc[:, None] & (v0 + od[None, :] < DV)
+    vv = chunk * C * DV + oc[:, None] * DV + v0 + od[None, :]
+    do = tl.load(do_ptr + vv, mask=cv, other=0.0)
+    p = _scores(q_ptr, k_ptr, chunk, oc, mc, C, DK, DOT, BC, BD) * _pair_decays(cum, oc)
+    tl.store(dvnew_ptr + vv, tl.dot(tl.trans(p), do, input_precision=DOT), mask=cv)
+    for d0 in range(0, DK, BD):
+        ck = mc[:, None] & (d0 + od[None, :] < DK)
+        q = tl.load(q_ptr + chunk * C * DK + oc[:, None] * DK + d0 + od[None, :], mask=ck, other=0.0)
+        ds = tl.dot(tl.trans(q * e[:, None]), do, input_precision=DOT)
+        sm = (d0 + od[:, None] < DK) & (v0 + od[None, :] < DV)
+        tl.store(dstates_ptr + chunk * DK * DV + (d0 + od[:, None]) * DV + v0 + od[None, :], ds, mask=sm)
+
+
+@triton.jit
+def _output_backward_qk_kernel(
+    q_ptr,
+    k_ptr,
+    cum_ptr,
+    states_ptr,
+    vnew_ptr,
+    do_ptr,
+    dq_ptr,
+    dk_ptr,
+    dcum_ptr,
+    C,
+    DK,
+    DV,
+    DOT: tl.constexpr,
+    BC: tl.constexpr,
+    BD: tl.constexpr,
+):
+    chunk = tl.program_id(0).to(tl.int64)
+    oc, od = tl.arange(0, BC), tl.arange(0, BD)
+    mc = oc < C
+    cum = tl.load(cum_ptr + chunk * C + oc, mask=mc, other=0.0)
+    e = tl.exp(cum)
+    g = _pair_decays(cum, oc)
+    # dp = do v_new^T (over the value columns), p = (q k^T) * G
+    dp = tl.zeros((BC, BC), dtype=tl.float32)
+    for v0 in range(0, DV, BD):
+        cv = mc[:, None] & (v0 + od[None, :] < DV)
+        vv = chunk * C * DV + oc[:, None] * DV + v0 + od[None, :]
+        dp += tl.dot(
+            tl.load(do_ptr + vv, mask=cv, other=0.0),
+            tl.trans(tl.load(vnew_ptr + vv, mask=cv, other=0.0)),
+            input_precision=DOT,
+        )
+    p = _scores(q_ptr, k_ptr, chunk, oc, mc, C, DK, DOT, BC, BD) * g
+    dpg = dp * g
+    dgam = dp * p
+    dcum = tl.sum(dgam, 1) - tl.sum(dgam, 0)
+    # dq = dpg k + exp(cum) * (do S^T); dk = dpg^T q; cum's share through exp(cum) * (q S)
+    for d0 in range(0, DK, BD):
+        ck = mc[:, None] & (d0 + od[None, :] < DK)
+        kk = chunk * C * DK + oc[:, None] * DK + d0 + od[None, :]
+        dqs = tl.zeros((BC, BD), dtype=tl.float32)
+        for v0 in range(0, DV, BD):
+            cv = mc[:, None] & (v0 + od[None, :] < DV)
+            do = tl.load(do_ptr + chunk * C * DV + oc[:, None] * DV + v0 + od[None, :], mask=cv, other=0.0)
+            sm = (d0 + od[:, None] < DK) & (v0 + od[None, :] < DV)
+            st = tl.load(states_ptr + chunk * DK * DV + (d0 + od[:, None]) * DV + v0 + od[None, :], mask=sm, other=0.0)
+            dqs += tl.dot(do, tl.trans(st), input_precision=DOT)
+        q = tl.load(q_ptr + kk, mask=ck, other=0.0)
+        k = tl.load(k_ptr + kk, mask=ck, other=0.0)
+        tl.store(dq_ptr + kk, tl.dot(dpg, k, input_precision=DOT) + dqs * e[:, None], mask=ck)
+        tl.store(dk_ptr + kk, tl.dot(tl.trans(dpg), q, input_precision=DOT), mask=ck)
+        dcum += tl.sum(dqs * q, 1) * e
+    tl.store(dcum_ptr + chunk * C + oc, dcum, mask=mc)
+
+
+def output_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cum: torch.Tensor,
+    states: torch.Tensor,
+    v_new: torch.Tensor,
+    d_out: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """``output_forward``'s backward: fp32 (dq, dk, dcum, dstates, dv_new) of its inputs from the output's
+    gradient ``d_out``."""
+    h, nc, c, dk = q.shape
+    dv = v_new.shape[-1]
+    q, k, cum, states, v_new, d_out = (x.float().contiguous() for x in (q, k, cum, states, v_new, d_out))
+    dq, dkey = q.new_empty(q.shape), q.new_empty(q.shape)
+    dcum, dstates, dv_new = q.new_empty(cum.shape), q.new_empty(states.shape), q.new_empty(v_new.shape)
+    if h * nc == 0:
+        return dq, dkey, dcum, dstates, dv_new
+    meta = dict(
+        DOT=_dot_precision(q.device),
+        BC=max(16, next_power_of_2(c)),
+        BD=max(16, min(_OUTPUT_COLUMNS, next_power_of_2(max(dk, dv)))),
+        num_warps=_INTRA_WARPS,
+    )
+    launch(
+        _output_backward_v_kernel,
+        (h * nc, cdiv(dv, meta["BD"])),
+        q,
+        k,
+        cum,
+        d_out,
+        dstates,
+        dv_new,
+        c,
+        dk,
+        dv,
+        **meta,
+    )
+    launch(_output_backward_qk_kernel, (h * nc,), q, k, cum, states, v_new, d_out, dq, dkey, dcum, c, dk, dv, **meta)
+    return dq, dkey, dcum, dstates, dv_new

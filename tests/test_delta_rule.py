@@ -20,6 +20,8 @@ from fastft.delta_rule import (
     gated_delta_rule,
     intra_backward_op,
     intra_forward_op,
+    output_backward_op,
+    output_forward_op,
     pairwise,
     scan_chunks,
 )
@@ -416,12 +418,43 @@ def test_widths_past_one_block_of_columns(device, rng, dk, dv, c):
     check_against_reference(info, random_inputs(rng, 1, sum(lengths), 2, dk, dv, device), c, "triton")
 
 
+def output_inputs(g, h, nc, c, dk, dv, device):
+    q, k = (torch.randn(h, nc, c, dk, generator=g) for _ in range(2))
+    cum = (-torch.rand(h, nc, c, generator=g) * 2).cumsum(-1)
+    states, v_new = torch.randn(h, nc, dk, dv, generator=g), torch.randn(h, nc, c, dv, generator=g)
+    return [x.to(device) for x in (q, k, cum, states, v_new)]
+
+
+@pytest.mark.parametrize("h, nc, c, dk, dv", [(2, 3, 16, 8, 24), (1, 2, 5, 7, 3), (1, 2, 64, 40, 72)])
+def test_output_kernels_match_torch(device, rng, h, nc, c, dk, dv):
+    """o = exp(cum) (q S) + ((q k^T) * G) v_new and every gradient of it (q, k, cum, S, v_new), fp32, against
+    torch and its autograd; widths past one block of 32 columns, cut short."""
+    inputs = [x.requires_grad_() for x in output_inputs(rng, h, nc, c, dk, dv, device)]
+    q, k, cum, states, v_new = inputs
+    lower = torch.ones(c, c, dtype=torch.bool, device=device).tril()
+    g = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    want = cum.exp()[..., None] * (q @ states) + ((q @ k.transpose(-1, -2)) * g) @ v_new
+    got = output_forward_op(*(x.detach() for x in inputs))
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert_close_to(got, want, "o")
+    d_out = torch.randn(want.shape, generator=rng).to(device)
+    want_grads = torch.autograd.grad(want, inputs, d_out)
+    got_grads = output_backward_op(*(x.detach() for x in inputs), d_out)
+    for name, a, e in zip(("dq", "dk", "dcum", "dstates", "dv_new"), got_grads, want_grads):
+        assert a.shape == e.shape and a.dtype == torch.float32
+        assert_close_to(a, e, name)
+
+
 def test_intra_ops_pass_opcheck(device, rng):
     k, v, beta, decay = intra_inputs(rng, 1, 2, 4, 4, 8, device)
     torch.library.opcheck(intra_forward_op.op, (k, v, beta, decay))
     t, w, u, kd, cd, cum = intra_forward_op(k, v, beta, decay)
     grads = [torch.randn(x.shape, generator=rng).to(device) for x in (u, w, kd, cd, k, cum)]
     torch.library.opcheck(intra_backward_op.op, (k, v, beta, cum, t, u, w, *grads))
+    q, k, cum, states, v_new = output_inputs(rng, 1, 2, 4, 5, 6, device)
+    torch.library.opcheck(output_forward_op.op, (q, k, cum, states, v_new))
+    d_out = torch.randn(v_new.shape, generator=rng).to(device)
+    torch.library.opcheck(output_backward_op.op, (q, k, cum, states, v_new, d_out))
 
 
 # ---- transformers' implementation, one document at a time -------------------------------------------------
