@@ -20,12 +20,15 @@ between the two.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 from ._checks import number_arg
+from ._custom_op import custom_op
 
-__all__ = ["lora_linear"]
+__all__ = ["lora_linear", "forward_op"]
 
 
 class _LoRALinear(torch.autograd.Function):
@@ -34,15 +37,7 @@ class _LoRALinear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         a = lora_a.to(x.dtype)
         b = lora_b.to(x.dtype)
-        xa = x2 @ a.T  # [N, r]
-        if bias is None:
-            # The low-rank product first, then the base GEMM adds onto it: its epilogue reads the [N, out]
-            # rows while the GEMM is compute-bound, instead of a thin GEMM reading and writing them again.
-            out = _scaled_mm(xa, b.T, scaling)
-            out.addmm_(x2, weight.T)
-        else:
-            out = F.linear(x2, weight, bias)
-            out.addmm_(xa, b.T, alpha=scaling)
+        out, xa = forward_op(x2, weight, bias, a, b, scaling)
         ctx.dequantize = dequantize  # backward materialises the weight again instead of keeping it
         ctx.save_for_backward(x2 if lora_a.requires_grad else None, xa, None if dequantize else weight, a, b)
         ctx.scaling, ctx.shape = scaling, x.shape
@@ -67,6 +62,35 @@ class _LoRALinear(torch.autograd.Function):
         if ctx.needs_input_grad[4]:
             db = _scaled_mm(dy.T, xa, s).to(ctx.dtypes[1])
         return dx, None, None, da, db, None, None
+
+
+@custom_op("fastft::lora_linear_forward")
+def forward_op(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],  # noqa: UP045  (torch.library.custom_op reads it: Optional spelled out)
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x2 @ weight.T + bias + scaling * (x2 @ a.T) @ b.T``, ``x2 @ a.T``) for 2-D ``x2`` and adapters in
+    its dtype: one op, so that selective checkpointing saves the output whole instead of running the
+    low-rank product again to write the saved GEMM's result into."""
+    xa = x2 @ a.T  # [N, r]
+    if bias is None:
+        # The low-rank product first, then the base GEMM adds onto it: its epilogue reads the [N, out]
+        # rows while the GEMM is compute-bound, instead of a thin GEMM reading and writing them again.
+        out = _scaled_mm(xa, b.T, scaling)
+        out.addmm_(x2, weight.T)
+    else:
+        out = F.linear(x2, weight, bias)
+        out.addmm_(xa, b.T, alpha=scaling)
+    return out, xa
+
+
+@forward_op.register_fake
+def _(x2, weight, bias, a, b, scaling):
+    return x2.new_empty(x2.shape[0], weight.shape[0]), x2.new_empty(x2.shape[0], a.shape[0])
 
 
 def _scaled_mm(m1: torch.Tensor, m2: torch.Tensor, alpha: float) -> torch.Tensor:

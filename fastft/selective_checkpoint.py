@@ -4,7 +4,8 @@ cheap rest recomputed.
 
 Saved (``saved_by_selective``): the GEMMs (matmuls whose reduction dim is at least an eighth of their output
 width: not LoRA's rank-r up projection; an in-place GEMM such as ``addmm_`` too, its result written back in
-recomputation), attention without dropout and fastft's delta-rule scan. A result something writes into later
+recomputation), attention without dropout, fastft's delta-rule scan and ``lora_linear``'s forward (its output
+and the rank-r product as one op). A result something writes into later
 in the layer (an in-place op, or a kernel autograd does not see) is named in ``skip`` and recomputed instead
 (``fastft.memory_measure`` finds them on the first step).
 
@@ -30,7 +31,7 @@ _MATMULS = {  # op -> positions of its two operands
     "aten::_grouped_mm": (0, 1),
 }
 _IN_PLACE = {"aten::addmm_", "aten::baddbmm_"}  # write their result into their first argument
-_SAVED = {  # attention forwards and fastft's delta-rule scan: saved unless they draw random numbers
+_SAVED = {  # attention forwards and fastft's ops: saved unless they draw random numbers
     "aten::_scaled_dot_product_flash_attention",
     "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_scaled_dot_product_efficient_attention",
@@ -39,6 +40,7 @@ _SAVED = {  # attention forwards and fastft's delta-rule scan: saved unless they
     "aten::_efficient_attention_forward",
     "torch_attn::_varlen_attn",
     "fastft::delta_rule_chunk_scan",
+    "fastft::lora_linear_forward",  # LoRA's output and x @ A^T: the low-rank product is not run again
 }
 
 

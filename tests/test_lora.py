@@ -4,7 +4,7 @@ tests/test_integrations_peft.py."""
 import pytest
 import torch
 
-from fastft import selfcheck
+from fastft import lora, selfcheck
 from fastft.lora import lora_linear
 
 GPU = torch.cuda.is_available()
@@ -88,3 +88,13 @@ def test_errors():
         lora_linear(x[:, :0], w[:, :0].detach(), None, a[:, :0], b, 1.0)
     with pytest.raises(ValueError, match=r"out, in >= 1, got \(0, 8\)"):
         lora_linear(x, w[:0].detach(), None, a, b[:0], 1.0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_op_opcheck(bias, rng):
+    x, w, a, b = (torch.randn(*s, generator=rng) for s in ((7, 16), (12, 16), (4, 16), (12, 4)))
+    args = (x, w, torch.randn(12, generator=rng) if bias else None, a, b, 0.5)
+    torch.library.opcheck(lora.forward_op.op, args)
+    out, xa = lora.forward_op.op(*args)
+    torch.testing.assert_close(xa, x @ a.T)
+    torch.testing.assert_close(out, x @ w.T + (args[2] if bias else 0) + 0.5 * (x @ a.T) @ b.T)

@@ -1,6 +1,8 @@
 """fastft.selective_checkpoint: which ops selective checkpointing saves, and a checkpoint with its context
 computes what the layer without checkpoint does, running the saved ops once."""
 
+import collections
+
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -104,3 +106,39 @@ def test_in_place_gemm_is_saved_and_exact(rng):
     for g, v in zip(got, want):
         torch.testing.assert_close(g, v, rtol=0, atol=0)
     assert counter.addmm == 0  # not run again in the recomputation
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_lora_linear_forward_saved_whole(bias, rng):
+    """``lora_linear``'s forward is one saved op: the recomputation runs no product of it (neither the base
+    GEMM nor the low-rank ones), and the gradients are those of the layer without checkpoint."""
+    from fastft.lora import lora_linear
+
+    x = torch.randn(6, 32, generator=rng, requires_grad=True)
+    w = torch.randn(48, 32, generator=rng)
+    bias_t = torch.randn(48, generator=rng) if bias else None
+    a = torch.randn(4, 32, generator=rng, requires_grad=True)
+    b = torch.randn(48, 4, generator=rng, requires_grad=True)
+
+    def layer(x, a, b):
+        return lora_linear(x, w, bias_t, a, b, 0.5).sin()
+
+    want = torch.autograd.grad(layer(x, a, b).square().sum(), (x, a, b))
+    out = torch.utils.checkpoint.checkpoint(layer, x, a, b, use_reentrant=False, context_fn=sc.selective_context)
+    with CountOps() as counter:
+        got = torch.autograd.grad(out.square().sum(), (x, a, b))
+    for g, v in zip(got, want):
+        torch.testing.assert_close(g, v, rtol=0, atol=0)
+    assert counter.seen["fastft::lora_linear_forward"] == 0  # returned from the store, not run
+    # the backward's products alone: dyb, dx's two, da and db
+    assert counter.seen["aten::mm"] + counter.seen["aten::addmm"] + counter.seen["aten::addmm_"] == 5
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
