@@ -9,11 +9,13 @@ specification is the token-by-token loop in ``fastft/reference/ssd.py``.
 The op runs the chunked SSD algorithm on the chunk layout of ``fastft.delta_rule.chunk_table``, in which no
 chunk spans two documents: tokens are gathered into ``[num_chunks_bound, chunk_size]`` slots (empty slots hold
 zeros, so they add nothing), the intra-chunk part (``C B^T`` masked by the decays, and the state each chunk
-leaves from a zero entering state) runs batched over all chunks in torch (autograd for its backward), the state
-is carried from chunk to chunk and zeroed where a chunk starts a document, and the outputs are gathered back.
-That carry (the sequential part, elementwise over each head's ``[P, N]`` state) has two backends: ``triton``
-(``state_scan_op``: a Triton scan forward and a reverse scan backward, ``kernels/ssd.py``) and ``torch``
-(``scan_states``, a Python loop over chunks, autograd for the backward; the specification of the Triton scan).
+leaves from a zero entering state) runs over all chunks at once, the state is carried from chunk to chunk and
+zeroed where a chunk starts a document, and the outputs are gathered back. Backends: ``torch`` (the intra-chunk
+part batched in torch with autograd for its backward, the carry ``scan_states``, a Python loop over chunks: the
+specification) and ``triton`` (the carry ``state_scan_op``, a Triton scan forward and a reverse scan backward;
+with chunks of at most 64 tokens, states of at most 256 and heads of at most 128 also the intra-chunk part,
+``_TritonChunks``: ``intra_forward_op`` and ``intra_backward_op``, ``kernels/ssd.py``, and the backward written
+out; the output's share from each chunk's entering state stays torch).
 Memory: the entering state of every chunk, fp32 ``[H, num_chunks_bound, P, N]`` (as mamba_ssm keeps), and in
 the backward its gradient.
 
@@ -36,6 +38,10 @@ from .packing import PackedSeqInfo
 from .reference.ssd import discretize
 
 __all__ = ["packed_ssd_scan"]
+
+# The intra-chunk kernels hold a chunk's [C, C] products and [C, N] rows in registers: larger chunks or widths run
+# the intra-chunk part in torch (the scan over chunks stays on Triton).
+_TRITON_INTRA_MAX_CHUNK = 64
 
 # The op's backend is that of its scan over chunks (the rest is torch on either).
 OP_SCAN = dispatch.register("ssd.state_scan")
@@ -170,6 +176,11 @@ def _chunked(x, dt, A, B, C, table: ChunkTable, backend: str) -> torch.Tensor:
     log_decay = chunks((dt * A.float())[..., None]).view(g, h // g, num_chunks, c)  # dt * A per token
     x_dt = chunks(x * dt[..., None]).view(g, h // g, num_chunks, c, p)
     B, C = (chunks(v.reshape(n, g, state_size).float()).unsqueeze(1) for v in (B, C))  # [G, 1, chunks, C, N]
+    if backend == "triton" and c <= _TRITON_INTRA_MAX_CHUNK and state_size <= 256 and p <= 128:
+        y = _TritonChunks.apply(
+            x_dt.view(h, num_chunks, c, p), log_decay.view(h, num_chunks, c), B[:, 0], C[:, 0], table.first
+        )
+        return y.view(h, num_chunks * c, p).transpose(0, 1).index_select(0, table.slot)
 
     # Sums of decays over ranges of tokens are summed as such (not as differences of cumulative sums, whose
     # rounding grows with the chunk's total decay).
@@ -249,3 +260,96 @@ def _backward(ctx, dstates):
 
 
 state_scan_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ---- the intra-chunk part on Triton --------------------------------------------------------------------------
+
+
+@custom_op("fastft::ssd_intra_forward")
+def intra_forward_op(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.ssd.intra_forward``: (y, local, decay) fp32, not differentiable."""
+    from .kernels import ssd as kernels
+
+    return kernels.intra_forward(x, a, b, c)
+
+
+@intra_forward_op.register_fake
+def _(x, a, b, c):
+    h, nc, cs, p = x.shape
+    f32 = torch.float32
+    return (
+        x.new_empty(h, nc, cs, p, dtype=f32),
+        x.new_empty(h, nc, p, b.shape[-1], dtype=f32),
+        x.new_empty(h, nc, dtype=f32),
+    )
+
+
+@custom_op("fastft::ssd_intra_backward")
+def intra_backward_op(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    dy: torch.Tensor,
+    dlocal: torch.Tensor,
+    ddecay: torch.Tensor,
+    dcum: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.ssd.intra_backward``: (dx, db, dc, da) fp32."""
+    from .kernels import ssd as kernels
+
+    return kernels.intra_backward(x, a, b, c, dy, dlocal, ddecay, dcum)
+
+
+@intra_backward_op.register_fake
+def _(x, a, b, c, dy, dlocal, ddecay, dcum):
+    f32 = torch.float32
+    return (
+        x.new_empty(x.shape, dtype=f32),
+        b.new_empty(b.shape, dtype=f32),
+        b.new_empty(b.shape, dtype=f32),
+        a.new_empty(a.shape, dtype=f32),
+    )
+
+
+class _TritonChunks(torch.autograd.Function):
+    """``_chunked``'s algorithm with its intra-chunk part on Triton (``intra_forward_op``) and its backward
+    written out (the torch path's autograd graph is its specification). Per head and chunk, with ``cum`` the
+    cumulative log decay: ``y = y_intra + exp(cum) * (C states^T)``, ``states`` the scan over chunks of the
+    kernel's ``local`` and ``decay``. Inputs fp32: x (x * dt) ``[H, NC, C, P]``, a (dt * A) ``[H, NC, C]``,
+    B and C ``[G, NC, C, N]``, first ``[NC]``; returns y ``[H, NC, C, P]``."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, c, first):
+        h, nc, cs, p = x.shape
+        g, n = b.shape[0], b.shape[-1]
+        y, local, decay = intra_forward_op(x, a, b, c)
+        states = state_scan_op(local.view(h, nc, p * n), decay, first)
+        cum = a.cumsum(-1)
+        off = c.unsqueeze(1) @ states.view(g, h // g, nc, p, n).transpose(-1, -2)  # [G, H/G, NC, C, P]
+        y = y.view(off.shape) + off * cum.exp().view(*off.shape[:-1], 1)
+        ctx.save_for_backward(x, a, b, c, first, decay, states, cum)
+        return y.view(h, nc, cs, p)
+
+    @staticmethod
+    def backward(ctx, dy):
+        with torch.autocast(dy.device.type, enabled=False):  # fp32, as the forward (autocast is off there)
+            return _TritonChunks._backward(ctx, dy.float())
+
+    @staticmethod
+    def _backward(ctx, dy):
+        x, a, b, c, first, decay, states, cum = ctx.saved_tensors
+        h, nc, cs, p = x.shape
+        g, n = b.shape[0], b.shape[-1]
+        states_g = states.view(g, h // g, nc, p, n)
+        dy = dy.contiguous()
+        dye = dy.view(g, h // g, nc, cs, p) * cum.exp().view(g, h // g, nc, cs, 1)
+        off = c.unsqueeze(1) @ states_g.transpose(-1, -2)
+        dcum = (dye * off).sum(-1).view(h, nc, cs)
+        dstates = (dye.transpose(-1, -2) @ c.unsqueeze(1)).view(h, nc, p * n)
+        dc_off = torch.einsum("ghkcp,ghkpn->gkcn", dye, states_g)
+        dlocal, ddecay = state_scan_backward_op.op(decay, first, states, dstates)
+        dx, db, dc, da = intra_backward_op(x, a, b, c, dy, dlocal.view(h, nc, p, n), ddecay, dcum)
+        return dx, da, db, dc + dc_off, None

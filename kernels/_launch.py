@@ -11,6 +11,8 @@ runner into the launcher: what that saves per launch is not measurable in a trai
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _compiled: dict = {}  # key -> (compiled kernel, names of the constexpr parameters after the positional ones)
@@ -25,6 +27,15 @@ def next_power_of_2(n: int) -> int:
     """Host-side smallest power of 2 >= n (1 for n <= 1): fastft's one power-of-two rounding (autotune's
     size buckets and the CUDA-graph bounds use it too)."""
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@functools.cache
+def dot_precision(device: torch.device) -> str:
+    """``tl.dot``'s fp32 precision on ``device``: 3xTF32 where tensor cores take TF32 (CUDA, sm80 on), IEEE fp32
+    elsewhere (Triton's interpreter, older GPUs, ROCm)."""
+    if device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0):
+        return "tf32x3"
+    return "ieee"
 
 
 _I32, _I64 = 2**31, 2**63

@@ -30,22 +30,11 @@ the algorithm; the torch backend's autograd graph is its specification.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, launch, next_power_of_2
-
-
-@functools.cache
-def _dot_precision(device: torch.device) -> str:
-    """``tl.dot``'s fp32 precision on ``device``: 3xTF32 where tensor cores take TF32 (CUDA, sm80 on), IEEE fp32
-    elsewhere (Triton's interpreter, older GPUs, ROCm)."""
-    if device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 0):
-        return "tf32x3"
-    return "ieee"
+from ._launch import cdiv, dot_precision, launch, next_power_of_2
 
 
 @triton.jit
@@ -181,7 +170,7 @@ def chunk_scan(
         dk,
         dv,
         PER_CHANNEL=chunk_decay.dim() == 3,
-        DOT=_dot_precision(w.device),
+        DOT=dot_precision(w.device),
         BC=bc,
         BK=bk,
         BV=bv,
@@ -230,7 +219,7 @@ def chunk_scan_backward(
         dk,
         dv,
         PER_CHANNEL=chunk_decay.dim() == 3,
-        DOT=_dot_precision(w.device),
+        DOT=dot_precision(w.device),
         BC=bc,
         BK=bk,
         BV=bv,
@@ -344,7 +333,7 @@ def intra_forward(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch
         c,
         dk,
         dv,
-        DOT=_dot_precision(k.device),
+        DOT=dot_precision(k.device),
         BC=bc,
         BK=bk,
         BV=bv,
@@ -482,7 +471,7 @@ def intra_backward(
         c,
         dk_dim,
         dv_dim,
-        DOT=_dot_precision(k.device),
+        DOT=dot_precision(k.device),
         BC=bc,
         BD=bd,
         num_warps=_INTRA_WARPS,
@@ -581,7 +570,7 @@ def output_forward(
         c,
         dk,
         dv,
-        DOT=_dot_precision(q.device),
+        DOT=dot_precision(q.device),
         BC=max(16, next_power_of_2(c)),
         BD=bd,
         num_warps=_INTRA_WARPS,
@@ -699,7 +688,7 @@ def output_backward(
     if h * nc == 0:
         return dq, dkey, dcum, dstates, dv_new
     meta = dict(
-        DOT=_dot_precision(q.device),
+        DOT=dot_precision(q.device),
         BC=max(16, next_power_of_2(c)),
         BD=max(16, min(_OUTPUT_COLUMNS, next_power_of_2(max(dk, dv)))),
         num_warps=_INTRA_WARPS,

@@ -1,4 +1,5 @@
-"""Triton kernels for the sequential part of fastft.ssd's chunked scan: the state carried from chunk to chunk.
+"""Triton kernels for fastft.ssd's chunked scan: the state carried from chunk to chunk (its sequential part) and
+the intra-chunk part.
 
 ``state_scan(local, decay, first, ...)`` computes what ``fastft.ssd.scan_states`` computes (its
 specification): for each head, chunk after chunk, the state entering the chunk (zeroed where ``first``) and the
@@ -14,7 +15,14 @@ entering state,
     ddecay  = S * dT                   (summed over the block for a per-chunk decay)
     dT_prev = dstates + decay * dT     (0 where chunk i starts a document)
 
-fp32 throughout.
+``intra_forward`` / ``intra_backward`` compute, for every chunk (of at most 64 tokens) at once, the chunk's
+output from within itself (``C B^T`` masked by the decays, times ``x * dt``), the state it leaves from a zero
+entering state and its decay, and their backward. A program owns a group's chunk and some of its heads (``C B^T``
+computed once for them) or a block of the state's columns (B's and C's gradients, summed over the group's heads),
+and walks the state's columns in blocks. The decays over ranges of tokens are summed as such (a masked
+cumulative sum over the chunk), not as differences of cumulative sums.
+
+fp32 throughout; the intra-chunk products on tensor cores in 3xTF32 where the GPU has them (sm80 on).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, launch
+from ._launch import cdiv, dot_precision, launch, next_power_of_2
 
 
 @triton.jit
@@ -146,3 +154,331 @@ def state_scan_backward(
         num_warps=num_warps,
     )
     return dlocal, ddecay if per_element else ddecay.sum(0)
+
+
+# ---- the intra-chunk part -----------------------------------------------------------------------------------
+
+# Programs own a group and a chunk (and a slice of the group's heads, or a block of the state's columns) and walk
+# the state's N columns in blocks of _COLUMNS, so that no tile wider than [C, max(C, P, _COLUMNS)] lives in
+# registers (3xTF32 products hold each operand twice).
+_COLUMNS = 32
+
+
+def _intra_warps(bc: int, bp: int) -> int:
+    """8 warps where every operand is at least 32 wide (fewer registers spilled), else 4: Triton 3.6 builds 8 over
+    16-wide operands into wrong results (seen in kernels/delta_rule.py's intra-chunk kernels)."""
+    return 8 if min(bc, bp, _COLUMNS) >= 32 else 4
+
+
+def _default_head_slices(device: torch.device, programs: int, heads_per_group: int) -> int:
+    """How many slices a group's heads are cut into: enough programs for about four per SM on a GPU."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(heads_per_group, cdiv(4 * sms, max(programs, 1))))
+
+
+@triton.jit
+def _segments(a, oc):
+    """``[BC, BC]``: ``S[i, j] = a_{j+1} + ... + a_i`` for ``j <= i`` (summed as such, not as a difference of
+    cumulative sums), 0 above the diagonal."""
+    return tl.cumsum(tl.where(oc[:, None] > oc[None, :], a[:, None], 0.0), 0)
+
+
+@triton.jit
+def _to_end(a, oc, C):
+    """``[BC]``: ``a_{j+1} + ... + a_last`` (0 past the chunk)."""
+    return tl.sum(tl.where((oc[None, :] > oc[:, None]) & (oc[None, :] < C), a[None, :], 0.0), 1)
+
+
+@triton.jit
+def _c_bt(b_ptr, c_ptr, rows, oc, mc, N, DOT: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr):
+    """``C B^T`` ``[BC, BC]`` of one group's chunk (rows at ``rows``), the state's columns ``BN`` at a time."""
+    cb = tl.zeros((BC, BC), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        on = n0 + tl.arange(0, BN)
+        m = mc[:, None] & (on[None, :] < N)
+        bb = tl.load(b_ptr + rows + oc[:, None] * N + on[None, :], mask=m, other=0.0)
+        cc = tl.load(c_ptr + rows + oc[:, None] * N + on[None, :], mask=m, other=0.0)
+        cb += tl.dot(cc, tl.trans(bb), input_precision=DOT)
+    return cb
+
+
+@triton.jit
+def _intra_forward_kernel(
+    x_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    y_ptr,
+    local_ptr,
+    decay_ptr,
+    NC,
+    C,
+    P,
+    N,
+    HG,
+    HS,
+    DOT: tl.constexpr,
+    BC: tl.constexpr,
+    BP: tl.constexpr,
+    BN: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)  # over G * NC * slices
+    slices = tl.cdiv(HG, HS)
+    group_chunk, part = pid // slices, pid % slices
+    group, chunk = group_chunk // NC, group_chunk % NC
+    oc, op = tl.arange(0, BC), tl.arange(0, BP)
+    mc = oc < C
+    cp = mc[:, None] & (op[None, :] < P)
+    rows = group_chunk * C * N
+    cb = _c_bt(b_ptr, c_ptr, rows, oc, mc, N, DOT, BC, BN)
+    for hh in range(part * HS, tl.minimum(part * HS + HS, HG)):
+        hc = (group * HG + hh) * NC + chunk  # this head's chunk
+        a = tl.load(a_ptr + hc * C + oc, mask=mc, other=0.0)
+        seg = _segments(a, oc)
+        x = tl.load(x_ptr + hc * C * P + oc[:, None] * P + op[None, :], mask=cp, other=0.0)
+        scores = tl.where(oc[:, None] >= oc[None, :], cb * tl.exp(seg), 0.0)
+        tl.store(y_ptr + hc * C * P + oc[:, None] * P + op[None, :], tl.dot(scores, x, input_precision=DOT), mask=cp)
+        xe = tl.trans(x * tl.exp(_to_end(a, oc, C))[:, None])  # [BP, BC]
+        for n0 in range(0, N, BN):
+            on = n0 + tl.arange(0, BN)
+            bb = tl.load(b_ptr + rows + oc[:, None] * N + on[None, :], mask=mc[:, None] & (on[None, :] < N), other=0.0)
+            local = tl.dot(xe, bb, input_precision=DOT)  # [BP, BN]
+            tl.store(
+                local_ptr + hc * P * N + op[:, None] * N + on[None, :],
+                local,
+                mask=(op[:, None] < P) & (on[None, :] < N),
+            )
+        tl.store(decay_ptr + hc, tl.exp(tl.sum(a, 0)))
+
+
+def _check_intra(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+    h, nc, cs, _ = x.shape
+    if a.shape != (h, nc, cs) or b.dim() != 4 or c.shape != b.shape or b.shape[1:3] != (nc, cs) or h % b.shape[0]:
+        raise ValueError(
+            f"expected x [H, NC, C, P], a [H, NC, C], b and c [G, NC, C, N] with G dividing H, got x "
+            f"{tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)}"
+        )
+
+
+def intra_forward(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, head_slices: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The intra-chunk part of the chunked SSD scan, per head and chunk (heads grouped as ``[G, H // G]``): for
+    fp32 x ``[H, NC, C, P]`` (x * dt), a ``[H, NC, C]`` (the log decays dt * A) and B, C ``[G, NC, C, N]``,
+    with ``seg[i, j] = a_{j+1} + ... + a_i``: (y ``[H, NC, C, P]`` = ``((C B^T) * exp(seg) on j <= i) x``, the
+    state each chunk leaves from a zero entering state ``[H, NC, P, N]`` = ``(x * exp(seg[last, j]))^T B``, the
+    chunk's decay ``[H, NC]`` = ``exp(sum(a))``), fp32. ``head_slices``: how many programs share a group's heads
+    per chunk (launch parameter; default: about four programs per SM)."""
+    _check_intra(x, a, b, c)
+    h, nc, cs, p = x.shape
+    g, n = b.shape[0], b.shape[-1]
+    x, a, b, c = (v.float().contiguous() for v in (x, a, b, c))
+    y = x.new_empty(h, nc, cs, p)
+    local = x.new_empty(h, nc, p, n)
+    decay = x.new_empty(h, nc)
+    if h * nc == 0:
+        return y, local, decay
+    hg = h // g
+    per_slice = cdiv(hg, head_slices or _default_head_slices(x.device, g * nc, hg))
+    launch(
+        _intra_forward_kernel,
+        (g * nc * cdiv(hg, per_slice),),
+        x,
+        a,
+        b,
+        c,
+        y,
+        local,
+        decay,
+        nc,
+        cs,
+        p,
+        n,
+        hg,
+        per_slice,
+        DOT=dot_precision(x.device),
+        BC=max(16, next_power_of_2(cs)),
+        BP=max(16, next_power_of_2(p)),
+        BN=_COLUMNS,
+        num_warps=_intra_warps(max(16, next_power_of_2(cs)), max(16, next_power_of_2(p))),
+    )
+    return y, local, decay
+
+
+@triton.jit
+def _intra_backward_heads_kernel(
+    x_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    dy_ptr,
+    dlocal_ptr,
+    ddecay_ptr,
+    dcum_ptr,
+    dx_ptr,
+    da_ptr,
+    dcb_ptr,
+    NC,
+    C,
+    P,
+    N,
+    HG,
+    HS,
+    DOT: tl.constexpr,
+    BC: tl.constexpr,
+    BP: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """dx and da of each head; the gradient of ``C B^T`` summed over the slice's heads (``dcb``, per slice)."""
+    pid = tl.program_id(0).to(tl.int64)  # over G * NC * slices
+    slices = tl.cdiv(HG, HS)
+    group_chunk, part = pid // slices, pid % slices
+    group, chunk = group_chunk // NC, group_chunk % NC
+    oc, op = tl.arange(0, BC), tl.arange(0, BP)
+    mc = oc < C
+    cp = mc[:, None] & (op[None, :] < P)
+    lower = oc[:, None] >= oc[None, :]
+    rows = group_chunk * C * N
+    cb = _c_bt(b_ptr, c_ptr, rows, oc, mc, N, DOT, BC, BN)
+    dcb = tl.zeros((BC, BC), dtype=tl.float32)
+    for hh in range(part * HS, tl.minimum(part * HS + HS, HG)):
+        hc = (group * HG + hh) * NC + chunk
+        a = tl.load(a_ptr + hc * C + oc, mask=mc, other=0.0)
+        decays = tl.where(lower, tl.exp(_segments(a, oc)), 0.0)
+        e_end = tl.exp(_to_end(a, oc, C))
+        xp = hc * C * P + oc[:, None] * P + op[None, :]
+        x = tl.load(x_ptr + xp, mask=cp, other=0.0)
+        dy = tl.load(dy_ptr + xp, mask=cp, other=0.0)
+        scores = cb * decays
+        # y = scores x, scores = (C B^T) * exp(seg) on j <= i
+        dx = tl.dot(tl.trans(scores), dy, input_precision=DOT)
+        dscores = tl.where(lower, tl.dot(dy, tl.trans(x), input_precision=DOT), 0.0)
+        dcb += dscores * decays
+        dseg = dscores * scores
+        # local = (x * e_end)^T B, e_end_j = exp(a_{j+1} + ... + a_last): B dlocal^T [BC, BP], N columns in blocks
+        b_dl = tl.zeros((BC, BP), dtype=tl.float32)
+        for n0 in range(0, N, BN):
+            on = n0 + tl.arange(0, BN)
+            bb = tl.load(b_ptr + rows + oc[:, None] * N + on[None, :], mask=mc[:, None] & (on[None, :] < N), other=0.0)
+            dl = tl.load(
+                dlocal_ptr + hc * P * N + op[:, None] * N + on[None, :],
+                mask=(op[:, None] < P) & (on[None, :] < N),
+                other=0.0,
+            )
+            b_dl += tl.dot(bb, tl.trans(dl), input_precision=DOT)
+        dx += e_end[:, None] * b_dl
+        tl.store(dx_ptr + xp, dx, mask=cp)
+        dto_end = e_end * tl.sum(x * b_dl, 1)
+        # da_k: seg[i, j] holds a_k for j < k <= i; to_end_j for j < k; the chunk's decay and cum_i (the output's
+        # share from the entering state, dcum) every a_k with k <= i.
+        before = tl.cumsum(dseg, 1) - dseg  # [i, k]: the sum of dseg[i, j] over j < k
+        da = tl.sum(tl.where(lower, before, 0.0), 0)
+        da += tl.cumsum(dto_end, 0) - dto_end
+        da += tl.load(ddecay_ptr + hc) * tl.exp(tl.sum(a, 0))
+        dcum = tl.load(dcum_ptr + hc * C + oc, mask=mc, other=0.0)
+        da += tl.sum(dcum, 0) - tl.cumsum(dcum, 0) + dcum
+        tl.store(da_ptr + hc * C + oc, da, mask=mc)
+    tl.store(dcb_ptr + pid * BC * BC + oc[:, None] * BC + oc[None, :], dcb)
+
+
+@triton.jit
+def _intra_backward_state_kernel(
+    x_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    dlocal_ptr,
+    dcb_ptr,
+    db_ptr,
+    dc_ptr,
+    NC,
+    C,
+    P,
+    N,
+    HG,
+    DOT: tl.constexpr,
+    BC: tl.constexpr,
+    BP: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """B's and C's gradients, a block of the state's columns per program: through ``C B^T`` (``dcb``, summed over
+    the group's heads) and, for B, through every head's local state."""
+    pid = tl.program_id(0).to(tl.int64)  # over G * NC * column blocks
+    blocks = tl.cdiv(N, BN)
+    group_chunk, block = pid // blocks, pid % blocks
+    group, chunk = group_chunk // NC, group_chunk % NC
+    oc, op, on = tl.arange(0, BC), tl.arange(0, BP), block * BN + tl.arange(0, BN)
+    mc = oc < C
+    cp = mc[:, None] & (op[None, :] < P)
+    cn = mc[:, None] & (on[None, :] < N)
+    bn = group_chunk * C * N + oc[:, None] * N + on[None, :]
+    dcb = tl.load(dcb_ptr + group_chunk * BC * BC + oc[:, None] * BC + oc[None, :])
+    tl.store(dc_ptr + bn, tl.dot(dcb, tl.load(b_ptr + bn, mask=cn, other=0.0), input_precision=DOT), mask=cn)
+    db = tl.dot(tl.trans(dcb), tl.load(c_ptr + bn, mask=cn, other=0.0), input_precision=DOT)
+    for hh in range(0, HG):
+        hc = (group * HG + hh) * NC + chunk
+        a = tl.load(a_ptr + hc * C + oc, mask=mc, other=0.0)
+        x = tl.load(x_ptr + hc * C * P + oc[:, None] * P + op[None, :], mask=cp, other=0.0)
+        dl = tl.load(
+            dlocal_ptr + hc * P * N + op[:, None] * N + on[None, :],
+            mask=(op[:, None] < P) & (on[None, :] < N),
+            other=0.0,
+        )
+        db += tl.dot(x * tl.exp(_to_end(a, oc, C))[:, None], dl, input_precision=DOT)
+    tl.store(db_ptr + bn, db, mask=cn)
+
+
+def intra_backward(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    dy: torch.Tensor,
+    dlocal: torch.Tensor,
+    ddecay: torch.Tensor,
+    dcum: torch.Tensor,
+    *,
+    head_slices: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``intra_forward``'s backward, with the log decays' other share: from its inputs x, a, b, c, the gradients
+    of its outputs y, local and decay, and ``dcum`` ``[H, NC, C]`` (the gradient of ``cum_i = a_0 + ... + a_i``
+    from the rest of the op), returns fp32 (dx, db ``[G, NC, C, N]``, dc ``[G, NC, C, N]``, da). ``head_slices``
+    as in ``intra_forward``."""
+    _check_intra(x, a, b, c)
+    h, nc, cs, p = x.shape
+    g, n = b.shape[0], b.shape[-1]
+    f = [v.float().contiguous() for v in (x, a, b, c, dy, dlocal, ddecay, dcum)]
+    dx, da = f[0].new_empty(h, nc, cs, p), f[0].new_empty(h, nc, cs)
+    db, dc = f[0].new_empty(g, nc, cs, n), f[0].new_empty(g, nc, cs, n)
+    if h * nc == 0:
+        return dx, db.zero_(), dc.zero_(), da
+    hg = h // g
+    per_slice = cdiv(hg, head_slices or _default_head_slices(x.device, g * nc, hg))
+    slices = cdiv(hg, per_slice)
+    bc, bp = max(16, next_power_of_2(cs)), max(16, next_power_of_2(p))
+    dcb = f[0].new_empty(g, nc, slices, bc, bc)
+    meta = dict(DOT=dot_precision(x.device), BC=bc, BP=bp, BN=_COLUMNS, num_warps=_intra_warps(bc, bp))
+    launch(_intra_backward_heads_kernel, (g * nc * slices,), *f, dx, da, dcb, nc, cs, p, n, hg, per_slice, **meta)
+    dcb = dcb.sum(2) if slices > 1 else dcb.view(g, nc, bc, bc)
+    x_, a_, b_, c_, _, dlocal_, *_ = f
+    launch(
+        _intra_backward_state_kernel,
+        (g * nc * cdiv(n, _COLUMNS),),
+        x_,
+        a_,
+        b_,
+        c_,
+        dlocal_,
+        dcb,
+        db,
+        dc,
+        nc,
+        cs,
+        p,
+        n,
+        hg,
+        **meta,
+    )
+    return dx, db, dc, da

@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 import fastft
 from fastft import dispatch, testing
 from fastft.reference import ssd as reference
-from fastft.ssd import OP_SCAN, packed_ssd_scan, scan_states, state_scan_backward_op, state_scan_op
+from fastft.ssd import (
+    OP_SCAN,
+    intra_backward_op,
+    intra_forward_op,
+    packed_ssd_scan,
+    scan_states,
+    state_scan_backward_op,
+    state_scan_op,
+)
 
 # fp32 against the fp64 reference: max |fast - reference| <= RTOL * max |reference| + ATOL, for the output and
 # each gradient.
@@ -95,6 +103,7 @@ def test_triton_matches_reference_from_position_ids(device, position_ids, c, dim
         ([8, 8, 16, 8], 8),  # exactly chunk-length documents (and two chunks)
         ([21, 1, 9, 30, 2], 8),  # longer than a chunk, ends mid-chunk
         ([70, 1, 64, 33], 64),  # the models' chunk size is 256; 64 keeps the test quick
+        ([70, 1, 150, 33], 128),  # past the Triton intra-chunk kernels' 64: that part in torch
     ],
 )
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -239,6 +248,101 @@ def test_triton_state_scan_passes_opcheck(device, rng):
     torch.library.opcheck(state_scan_op.op, (local.requires_grad_(), decay.requires_grad_(), first))
     states = state_scan_op(local.detach(), decay.detach(), first)
     torch.library.opcheck(state_scan_backward_op.op, (decay.detach(), first, states, torch.randn_like(states)))
+
+
+# ---- the intra-chunk kernels against torch ----------------------------------------------------------------
+
+
+def intra_inputs(g, h, groups, nc, c, p, n, device):
+    x = torch.randn(h, nc, c, p, generator=g)
+    a = -torch.rand(h, nc, c, generator=g) * 2
+    b, cm = (torch.randn(groups, nc, c, n, generator=g) for _ in range(2))
+    return [v.to(device) for v in (x, a, b, cm)]
+
+
+def intra_torch(x, a, b, cm):
+    """The intra-chunk formulas in torch (heads share their group's B and C): y, local, decay."""
+    h, nc, c, _ = x.shape
+    hb, hc = (v.repeat_interleave(h // b.shape[0], 0) for v in (b, cm))  # [H, NC, C, N]
+    seg = torch.stack([a[..., j + 1 : i + 1].sum(-1) for i in range(c) for j in range(c)], -1).view(h, nc, c, c)
+    lower = torch.ones(c, c, device=x.device, dtype=torch.bool).tril()
+    return (
+        ((hc @ hb.transpose(-1, -2)) * seg.masked_fill(~lower, float("-inf")).exp()) @ x,
+        (x * seg[..., -1, :, None].exp()).transpose(-1, -2) @ hb,
+        a.sum(-1).exp(),
+    )
+
+
+# (heads, groups, chunks, chunk, head width, state width, head slices): 6 heads per group in 4 slices run as 3
+INTRA_SHAPES = [
+    (4, 2, 3, 16, 8, 24, None),
+    (1, 1, 2, 5, 7, 3, None),
+    (2, 1, 2, 64, 40, 70, None),
+    (12, 2, 2, 8, 5, 6, 4),
+    (6, 3, 3, 4, 3, 5, 2),
+]
+
+
+@pytest.mark.parametrize("h, groups, nc, c, p, n, slices", INTRA_SHAPES)
+def test_intra_forward_matches_torch(device, rng, h, groups, nc, c, p, n, slices):
+    """y within the chunk, the state each chunk leaves from zero and its decay, fp32, against the torch formulas,
+    with a group's heads in one or several programs."""
+    from fastft.kernels import ssd as kernels
+
+    x, a, b, cm = intra_inputs(rng, h, groups, nc, c, p, n, device)
+    got = kernels.intra_forward(x, a, b, cm, head_slices=slices)
+    for name, u, e in zip(("y", "local", "decay"), got, intra_torch(x, a, b, cm)):
+        assert u.shape == e.shape and u.dtype == torch.float32
+        assert_close_to(u, e, name)
+
+
+@pytest.mark.parametrize("h, groups, nc, c, p, n, slices", INTRA_SHAPES)
+def test_intra_backward_matches_autograd(device, rng, h, groups, nc, c, p, n, slices):
+    """Every gradient of the intra-chunk part (B and C summed over their group's heads, across programs when the
+    heads are sliced), with the log decays' share through ``cum``, against autograd of the torch formulas."""
+    from fastft.kernels import ssd as kernels
+
+    inputs = [v.requires_grad_() for v in intra_inputs(rng, h, groups, nc, c, p, n, device)]
+    outs = (*intra_torch(*inputs), inputs[1].cumsum(-1))
+    grads = [torch.randn(v.shape, generator=rng).to(device) for v in outs]
+    want = torch.autograd.grad(outs, inputs, grads)
+    got = kernels.intra_backward(*(v.detach() for v in inputs), *grads, head_slices=slices)
+    for name, u, e in zip(
+        ("dx", "da", "db", "dc"), (got[0], got[3], got[1], got[2]), (want[0], want[1], want[2], want[3])
+    ):
+        assert u.shape == e.shape and u.dtype == torch.float32, name
+        assert_close_to(u, e, name)
+
+
+@pytest.mark.parametrize("p, n, c", [(40, 72, 16), (8, 130, 64)])
+def test_intra_widths_and_groups(device, rng, p, n, c):
+    """The op on its Triton intra-chunk path with head and state widths that are no power of two, and groups of
+    heads, against the token loop (forward and every gradient)."""
+    lengths = [37, 1, 70, 20]
+    info = fastft.packed_seq_info(seq_lengths=lengths, device=device)
+    check_against_reference(info, random_inputs(rng, 1, sum(lengths), 4, p, 2, n, device), c, "triton")
+
+
+def test_backward_under_autocast_stays_fp32(device, rng):
+    """The Triton path's written-out backward run inside an autocast region computes the same fp32 gradients as
+    outside it."""
+    info = fastft.packed_seq_info(seq_lengths=[5, 11], device=device)
+    x, dt, A, B, C, *_ = random_inputs(rng, 1, 16, 2, 3, 1, 4, device)
+    inputs = (x, dt, A, B, C)
+    want = torch.autograd.grad(packed_ssd_scan(*inputs, info, chunk_size=4, backend="triton").sum(), inputs)
+    out = packed_ssd_scan(*inputs, info, chunk_size=4, backend="triton")
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        got = torch.autograd.grad(out.sum(), inputs)
+    for name, a, e in zip(NAMES, got, want):
+        assert a.dtype == torch.float32 and torch.equal(a, e), name
+
+
+def test_intra_ops_pass_opcheck(device, rng):
+    x, a, b, cm = intra_inputs(rng, 2, 1, 2, 4, 3, 5, device)
+    torch.library.opcheck(intra_forward_op.op, (x, a, b, cm))
+    y, local, decay = intra_forward_op(x, a, b, cm)
+    grads = [torch.randn(v.shape, generator=rng).to(device) for v in (y, local, decay, a)]
+    torch.library.opcheck(intra_backward_op.op, (x, a, b, cm, *grads))
 
 
 # ---- transformers' implementation, one document at a time -------------------------------------------------
@@ -389,3 +493,13 @@ def test_real_sizes_bf16_against_transformers(backend):
     for name, a, s, e in zip(("y", *NAMES), ours, theirs, exact):
         err, stock_err = (a.float() - e).abs().max().item(), (s.float() - e).abs().max().item()
         assert err <= 2 * stock_err + 1e-3 * e.abs().max().item(), f"{name}: {err:.3g} vs stock {stock_err:.3g}"
+
+
+def test_intra_kernels_refuse_mismatched_shapes(device, rng):
+    from fastft.kernels import ssd as kernels
+
+    x, a, b, cm = intra_inputs(rng, 4, 2, 3, 8, 5, 6, device)
+    with pytest.raises(ValueError, match="G dividing H"):
+        kernels.intra_forward(x, a, b[:, :2], cm[:, :2])
+    with pytest.raises(ValueError, match="G dividing H"):
+        kernels.intra_forward(x[:3], a[:3], b, cm)
