@@ -156,6 +156,7 @@ def test_e2e_nproc(tmp_path):
         (("bench", "--e2e"), "bench --e2e is now its own command: python -m fastft e2e"),
         (("e2e", "--nproc", "0"), "--nproc: must be > 0, got 0"),
         (("e2e", "--layers", "deep"), "--layers: expected a number of layers or 'all', got 'deep'"),
+        (("audit", "--layers", "deep"), "--layers: expected a number of layers or 'all', got 'deep'"),
         (("e2e", "--nproc", "2", "--layers", "4"), "--layers is not taken with --nproc"),
         (("e2e", "--nproc", "2", "--parallel", "tp"), "invalid choice: 'tp'"),
         (("e2e", "--model", "llama"), "invalid choice: 'llama' (choose from 'Llama-3.2-1B'"),
@@ -216,18 +217,20 @@ def test_cuda_device_without_gpu_is_a_usage_error():
 def test_layers_on_a_cpu_is_a_usage_error(capsys):
     from fastft.__main__ import main
 
-    with pytest.raises(SystemExit) as exit:
-        main(["e2e", "--model", "Qwen3-8B", "--layers", "all"])
-    assert exit.value.code == 2 and "--layers is taken at real size only" in capsys.readouterr().err
+    for command in ("e2e", "audit"):
+        with pytest.raises(SystemExit) as exit:
+            main([command, "--model", "Qwen3-8B", "--layers", "all"])
+        assert exit.value.code == 2 and "--layers is taken at real size only" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: a CPU refuses --layers before the count")
 def test_layers_beyond_the_models_depth_is_a_usage_error(capsys):
     from fastft.__main__ import main
 
-    with pytest.raises(SystemExit) as exit:
-        main(["e2e", "--model", "Qwen3-8B", "--layers", "37"])
-    assert exit.value.code == 2 and "--layers: layers must be an int in [1, 36]" in capsys.readouterr().err
+    for command in ("e2e", "audit"):
+        with pytest.raises(SystemExit) as exit:
+            main([command, "--model", "Qwen3-8B", "--layers", "37"])
+        assert exit.value.code == 2 and "--layers: layers must be an int in [1, 36]" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a missing GPU")

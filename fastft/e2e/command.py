@@ -119,11 +119,19 @@ def cmd_audit(args) -> int:
     if COLUMNS[args.column].own_process:
         p.error(f"--column '{args.column}' runs in a process of its own: audit profiles a column in this one")
     tiny = run.tiny_configs(device, args.quick)
+    layers = None
+    if args.layers is not None:
+        if tiny:
+            p.error("--layers is taken at real size only (a GPU without --quick): the tiny configs keep 2 layers")
+        try:
+            layers = layers_arg(args.model, args.layers)
+        except ValueError as e:
+            p.error(f"--layers: {e}")
     with cli.environment(**backend_of(args.backend, device)):
         stream = model_stream(args.model, args.stream, tiny, device)
         # The profiled steps' batches, which the warm-up passes run first: graphed columns capture there.
         batches = itertools.cycle([next(stream) for _ in range(args.steps)])
-        (model, _), restore = build(args.model, args.column, device, tiny, quant=args.quant)
+        (model, _), restore = build(args.model, args.column, device, tiny, quant=args.quant, layers=layers)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-5)
 
@@ -285,6 +293,13 @@ def add_parsers(sub) -> None:
         action="store_true",
         help="packed columns also get the documents' boundaries from the host (a flattening collator's "
         "cu_seq_lens_q/k and max_length_q/k, cu_seq_lens kept on the CPU), not only device position_ids",
+    )
+    p.add_argument(
+        "--layers",
+        type=parse_layers,
+        metavar="N",
+        help="decoder layers the model keeps at real size: a number, or 'all' (the released model's depth); "
+        "default the model table's",
     )
     _stack_options(p)
     p.set_defaults(fn=cmd_audit, parser=p)
