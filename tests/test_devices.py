@@ -115,6 +115,28 @@ def delta_rule_case(device, g):
     return _grads(out, [q, k, v, decay, beta], 3)
 
 
+def ssd_case(device, g):
+    b, t, h, p, groups, n = 1, 150, 4, 16, 2, 24
+    info = fastft.packed_seq_info(seq_lengths=[70, 1, 79], device=device)
+    x = torch.randn(b, t, h, p, generator=g).to(device).requires_grad_()
+    dt = torch.randn(b, t, h, generator=g).to(device).requires_grad_()
+    A = (-torch.rand(h, generator=g) - 0.1).to(device).requires_grad_()
+    B, C = (torch.randn(b, t, groups, n, generator=g).to(device).requires_grad_() for _ in range(2))
+    out = fastft.packed_ssd_scan(x, dt, A, B, C, info, dt_softplus=True, chunk_size=32)  # the Triton intra path
+    return _grads(out, [x, dt, A, B, C], 5)
+
+
+def selective_scan_case(device, g):
+    b, dm, t, n = 1, 24, 150, 8
+    info = fastft.packed_seq_info(seq_lengths=[70, 1, 79], device=device)
+    u, delta, z = (torch.randn(b, dm, t, generator=g).to(device).requires_grad_() for _ in range(3))
+    A = (-torch.rand(dm, n, generator=g) - 0.1).to(device).requires_grad_()
+    B, C = (torch.randn(b, n, t, generator=g).to(device).requires_grad_() for _ in range(2))
+    D = torch.randn(dm, generator=g).to(device).requires_grad_()
+    out = fastft.packed_selective_scan(u, delta, A, B, C, info, D=D, z=z, delta_softplus=True, chunk_size=32)
+    return _grads(out, [u, delta, A, B, C, D, z], 6)
+
+
 def swiglu_case(device, g):
     x = (torch.randn(300, 2 * 40, generator=g) * 4).to(device, torch.bfloat16).requires_grad_()
     return _grads(fastft.swiglu(x, alpha=1.702, limit=7.0, interleaved=True), [x], 4)
@@ -200,6 +222,8 @@ FLOAT_CASES = {
     "attention": attention_case,
     "conv": conv_case,
     "delta_rule": delta_rule_case,
+    "ssd": ssd_case,
+    "selective_scan": selective_scan_case,
     "swiglu": swiglu_case,
     "experts": experts_case,
     "lora": lora_case,
