@@ -10,9 +10,11 @@ padding=W-1)[..., :len]`` (the torch reference in ``fastft/reference/conv.py`` i
     out[t, c] = act(bias[c] + sum_{j < W, j <= pos[t]} weight[c, W-1-j] * x[t-j, c])
 
 ``pos`` is ``info.position_ids`` (the position of each token inside its document). Sums in fp32, the
-output in ``x``'s dtype. Backends: ``triton`` (a tokens x channels tiled kernel each way; the backward
-recomputes the pre-activation for SiLU's derivative and sums dweight/dbias per program, then in a fixed
-order: deterministic) and ``torch`` (W masked shifted sums over the stream). Neither syncs the GPU.
+output in ``x``'s dtype. Backends: ``triton`` (forward: tokens x channels tiles; backward: each program
+walks a block of tokens one at a time, the last W inputs and gradients in registers, so that each token's
+SiLU derivative is recomputed once and x, dout and dx cross memory once; dweight/dbias sums per program,
+then summed in a fixed order by a second kernel: deterministic) and ``torch`` (W masked shifted sums over
+the stream). Neither syncs the GPU.
 """
 
 from __future__ import annotations
@@ -38,13 +40,16 @@ autotune.register(
     OP_CONV,
     autotune.Tunable({"BLOCK_T": 32, "BLOCK_C": 128, "num_warps": 4}, interpreter={"BLOCK_T": 8, "BLOCK_C": 16}),
 )
+# The backward: BLOCK_C channels (4 per thread), GROUP tokens' loads in flight per thread, and blocks of
+# tokens sized for about PROGRAMS programs; registers capped at maxnreg (several programs per SM).
 autotune.register(
     OP_CONV_BACKWARD,
     autotune.Tunable(
-        {"BLOCK_T": 32, "BLOCK_C": 128, "TILES": 8, "num_warps": 4},
-        interpreter={"BLOCK_T": 8, "BLOCK_C": 16, "TILES": 2},
+        {"BLOCK_C": 512, "GROUP": 4, "PROGRAMS": 1024, "num_warps": 4, "maxnreg": 128},
+        interpreter={"BLOCK_C": 16, "GROUP": 2, "PROGRAMS": 4},
     ),
 )
+_MIN_BLOCK_T, _MAX_BLOCK_T = 8, 1024  # tokens per backward program
 
 MAX_WIDTH = 8  # kernel widths accepted (the kernels unroll over the taps)
 ACTIVATIONS = (None, "silu", "swish")  # "swish" is transformers' configs' name for SiLU
@@ -88,19 +93,25 @@ def conv_backward_op(
     silu: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx in ``x.dtype``, dweight fp32 ``[C, W]``, dbias fp32 ``[C]``)."""
+    """(dx in ``x.dtype``, dweight ``[C, W]`` in ``weight.dtype``, dbias ``[C]`` in ``bias.dtype`` (weight's
+    without bias)); the sums in fp32."""
     if backend == "torch" or x.numel() == 0:
-        return reference.shifted_conv1d_backward(dout, x, weight, bias, pos, silu)
+        dx, dweight, dbias = reference.shifted_conv1d_backward(dout, x, weight, bias, pos, silu)
+        return dx, dweight.to(weight.dtype), dbias.to((weight if bias is None else bias).dtype)
     from .kernels import conv as kernels
 
-    cfg = autotune.params(OP_CONV_BACKWARD, x.device, x.numel())
+    cfg = dict(autotune.params(OP_CONV_BACKWARD, x.device, x.numel()))
+    n, c = x.shape
+    # the largest power of two of tokens per program that still makes PROGRAMS programs
+    per_program = max(n * -(-c // cfg["BLOCK_C"]) // cfg.pop("PROGRAMS"), 1)
+    cfg["BLOCK_T"] = min(max(1 << (per_program.bit_length() - 1), _MIN_BLOCK_T), _MAX_BLOCK_T)
     return kernels.conv1d_backward(dout, x, weight, bias, pos, silu, **cfg)
 
 
 @conv_backward_op.register_fake
 def _(dout, x, weight, bias, pos, silu, backend):
-    c, w = weight.shape
-    return x.new_empty(x.shape), weight.new_empty((c, w), dtype=torch.float32), x.new_empty((c,), dtype=torch.float32)
+    c = weight.shape[0]
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), (weight if bias is None else bias).new_empty((c,))
 
 
 def _setup(ctx, inputs, output):
@@ -112,7 +123,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad):
     x, weight, bias, pos = ctx.saved_tensors
     dx, dweight, dbias = conv_backward_op.op(grad.contiguous(), x, weight, bias, pos, ctx.silu, ctx.backend)
-    return dx, dweight.to(weight.dtype), None if bias is None else dbias.to(bias.dtype), None, None, None
+    return dx, dweight, None if bias is None else dbias, None, None, None
 
 
 conv_op.register_autograd(_backward, setup_context=_setup)

@@ -89,47 +89,109 @@ def _conv_backward_kernel(
     SILU: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    TILES: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
-    # One program: TILES consecutive token tiles of one channel block. dx of each tile, and this program's
-    # partial sums of dweight (row W-1-j: tap j) and dbias (row W) in part[program's token block].
+    # One program: tokens [t0, t0 + BLOCK_T) of one channel block, one token at a time, GROUP tokens' x and
+    # dout loaded together. Token s's gradient g[s] (through SiLU: the pre-activation recomputed from the
+    # last W inputs, kept in registers) is computed once; dx[s - (W-1)] = sum_k w[W-1-k] g[s-(W-1)+k] over
+    # the taps k whose token is in its document (pos >= k) is written once the last of them is known, so
+    # the program reads W - 1 tokens past its block. dweight (row W-1-j: tap j) and dbias (row W) sums of
+    # its own tokens go to part[program].
     pid_t = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = ch < c
-    rows = tl.arange(0, ROWS)
-    partial = tl.zeros((ROWS, BLOCK_C), dtype=tl.float32)
-    for tile in range(TILES):
-        t = (pid_t.to(tl.int64) * TILES + tile) * BLOCK_T + tl.arange(0, BLOCK_T)
-        tmask = t < n
-        dx = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-        for k in tl.static_range(W):
-            # Token t + k's gradient reaches x[t] through tap k iff t + k is in t's document.
-            tk = t + k
-            kmask = tk < n
-            pos_k = tl.load(pos_ptr + tk, mask=kmask, other=0)
-            g = tl.load(
-                dout_ptr + tk[:, None] * stride_dout + ch[None, :], mask=kmask[:, None] & cmask[None, :], other=0
-            )
-            g = g.to(tl.float32)
-            if SILU:
-                pre = _pre_activation(
-                    x_ptr, w_ptr, b_ptr, pos_k, tk, ch, kmask, cmask, stride_x, W, HAS_BIAS, BLOCK_T, BLOCK_C
-                )
-                s = tl.sigmoid(pre)
-                g = g * (s * (1 + pre * (1 - s)))
-            w = tl.load(w_ptr + ch * W + (W - 1 - k), mask=cmask, other=0).to(tl.float32)
-            dx += tl.where((kmask & (pos_k >= k))[:, None], g, 0.0) * w[None, :]
-            if k == 0:  # g is token t's own gradient: this tile's share of dweight and dbias
-                partial += tl.where(rows[:, None] == W, tl.sum(g, axis=0)[None, :], 0.0)
-                for j in tl.static_range(W):
-                    m = (tmask & (pos_k >= j))[:, None] & cmask[None, :]
-                    xv = tl.load(x_ptr + (t - j)[:, None] * stride_x + ch[None, :], mask=m, other=0).to(tl.float32)
-                    partial += tl.where(rows[:, None] == W - 1 - j, tl.sum(g * xv, axis=0)[None, :], 0.0)
-        tl.store(
-            dx_ptr + t[:, None] * c + ch[None, :], dx.to(dx_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :]
+    rows = ch * 0  # a row's index per channel: the interpreter takes no scalar-and-vector mask
+    t0 = pid_t * BLOCK_T  # token indices in int32 (n is); offsets in int64
+    zero = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    taps = ()  # taps[j] = weight[:, W-1-j]: the weight of x[s - j] in token s's pre-activation
+    for j in tl.static_range(W):
+        taps += (tl.load(w_ptr + ch * W + (W - 1 - j), mask=cmask, other=0).to(tl.float32),)
+    bias = zero
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + ch, mask=cmask, other=0).to(tl.float32)
+    xw = ()  # xw[i] = x[s - 1 - i]
+    for i in tl.static_range(W - 1):
+        row = t0 - 1 - i
+        xw += (
+            tl.load(x_ptr + row.to(tl.int64) * stride_x + ch, mask=cmask & (rows + row >= 0), other=0).to(tl.float32),
         )
-    part = part_ptr + (pid_t * (W + 1) + rows[:, None]).to(tl.int64) * c + ch[None, :]
-    tl.store(part, partial, mask=(rows[:, None] < W + 1) & cmask[None, :])
+    gw = (zero,) * (W - 1)  # gw[i] = g[s - 1 - i] (before t0: never read)
+    pw = (t0 * 0,) * (W - 1)  # pw[i] = pos[s - 1 - i]
+    dws = (zero,) * W  # dws[j] = sum over own tokens s of g[s] * x[s - j] (x[s - j] in s's document)
+    db = zero
+    for group in range(tl.cdiv(BLOCK_T + W - 1, GROUP)):
+        base = t0 + group * GROUP
+        xrow = x_ptr + base.to(tl.int64) * stride_x + ch
+        grow = dout_ptr + base.to(tl.int64) * stride_dout + ch
+        xs = ()
+        gs = ()
+        ps = ()
+        for i in tl.static_range(GROUP):
+            m = cmask & (rows + base + i < n)
+            xs += (tl.load(xrow + i * stride_x, mask=m, other=0),)
+            gs += (tl.load(grow + i * stride_dout, mask=m, other=0),)
+            ps += (tl.load(pos_ptr + base + i, mask=base + i < n, other=0).to(tl.int32),)
+        for i in tl.static_range(GROUP):
+            s = base + i
+            p = ps[i]
+            xm = (xs[i].to(tl.float32),)  # xm[j] = x[s - j] where s - j is in s's document, else 0
+            for j in tl.static_range(1, W):
+                xm += (tl.where(p >= j, xw[j - 1], 0.0),)
+            g = gs[i].to(tl.float32)
+            if SILU:
+                pre = bias + xm[0] * taps[0]
+                for j in tl.static_range(1, W):
+                    pre += xm[j] * taps[j]
+                sig = tl.sigmoid(pre)
+                g = g * (sig * (1 + pre * (1 - sig)))
+            g_own = tl.where(s < t0 + BLOCK_T, g, 0.0)  # tokens past n have g = 0
+            db += g_own
+            for j in tl.static_range(W):
+                dws = dws[:j] + (dws[j] + g_own * xm[j],) + dws[j + 1 :]
+            d = s - (W - 1)  # the token whose dx is now known
+            dx = tl.where(p >= W - 1, g, 0.0) * taps[W - 1]
+            for k in tl.static_range(W - 1):
+                dx += tl.where(pw[W - 2 - k] >= k, gw[W - 2 - k], 0.0) * taps[k]
+            ok = cmask & (rows + d >= t0) & (rows + d < t0 + BLOCK_T) & (rows + d < n)
+            tl.store(dx_ptr + d.to(tl.int64) * c + ch, dx.to(dx_ptr.dtype.element_ty), mask=ok)
+            xw = ((xm[0],) + xw)[: W - 1]
+            gw = ((g,) + gw)[: W - 1]
+            pw = ((p,) + pw)[: W - 1]
+    part = part_ptr + pid_t.to(tl.int64) * (ROWS * c) + ch
+    for j in tl.static_range(W):
+        tl.store(part + (W - 1 - j) * c, dws[j], mask=cmask)
+    tl.store(part + W * c, db, mask=cmask)
+
+
+@triton.jit
+def _conv_reduce_kernel(
+    part_ptr,
+    dw_ptr,
+    db_ptr,
+    blocks,
+    c,
+    W: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # dweight [C, W] (row i of part: column i) and dbias [C] (row W): part's rows summed over the blocks in
+    # order, in fp32, stored in the outputs' dtypes.
+    ch = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = ch < c
+    rows = tl.arange(0, ROWS)
+    acc = tl.zeros((ROWS, BLOCK_C), dtype=tl.float32)
+    ptrs = part_ptr + rows[:, None] * c + ch[None, :]
+    m = (rows[:, None] < W + 1) & cmask[None, :]
+    for _ in range(blocks):
+        acc += tl.load(ptrs, mask=m, other=0)
+        ptrs += ROWS * c
+    tl.store(
+        dw_ptr + ch[None, :] * W + rows[:, None],
+        acc.to(dw_ptr.dtype.element_ty),
+        mask=(rows[:, None] < W) & cmask[None, :],
+    )
+    db = tl.sum(tl.where(rows[:, None] == W, acc, 0.0), axis=0)
+    tl.store(db_ptr + ch, db.to(db_ptr.dtype.element_ty), mask=cmask)
 
 
 def conv1d_forward(x, weight, bias, pos, silu: bool, *, BLOCK_T: int, BLOCK_C: int, num_warps: int) -> torch.Tensor:
@@ -159,16 +221,29 @@ def conv1d_forward(x, weight, bias, pos, silu: bool, *, BLOCK_T: int, BLOCK_C: i
 
 
 def conv1d_backward(
-    dout, x, weight, bias, pos, silu: bool, *, BLOCK_T: int, BLOCK_C: int, TILES: int, num_warps: int
+    dout,
+    x,
+    weight,
+    bias,
+    pos,
+    silu: bool,
+    *,
+    BLOCK_T: int,
+    BLOCK_C: int,
+    GROUP: int,
+    num_warps: int,
+    maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx in ``x.dtype``, dweight fp32 ``[C, W]``, dbias fp32 ``[C]``) as the reference's
-    ``shifted_conv1d_backward``; ``dout`` ``[N, C]`` with unit channel stride. Deterministic: per-program
-    partial sums, then a fixed-order sum over them."""
+    """(dx in ``x.dtype``, dweight ``[C, W]`` in ``weight.dtype``, dbias ``[C]`` in ``bias.dtype`` (weight's
+    without bias)) as the reference's ``shifted_conv1d_backward``, summed in fp32; ``dout`` ``[N, C]`` with
+    unit channel stride. Deterministic: per-program partial sums, then a second kernel
+    sums them in a fixed order."""
     n, c = x.shape
     w = weight.shape[1]
-    blocks = cdiv(n, BLOCK_T * TILES)
+    rows = next_power_of_2(w + 1)
+    blocks = cdiv(n, BLOCK_T)
     dx = torch.empty((n, c), dtype=x.dtype, device=x.device)
-    part = torch.empty((blocks, w + 1, c), dtype=torch.float32, device=x.device)
+    part = torch.empty((blocks, rows, c), dtype=torch.float32, device=x.device)
     launch(
         _conv_backward_kernel,
         (blocks, cdiv(c, BLOCK_C)),
@@ -184,13 +259,21 @@ def conv1d_backward(
         x.stride(0),
         dout.stride(0),
         W=w,
-        ROWS=next_power_of_2(w + 1),
+        ROWS=rows,
         HAS_BIAS=bias is not None,
         SILU=silu,
         BLOCK_T=BLOCK_T,
         BLOCK_C=BLOCK_C,
-        TILES=TILES,
+        GROUP=GROUP,
         num_warps=num_warps,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
-    sums = part.sum(0)  # [W + 1, C]
-    return dx, sums[:w].t().contiguous(), sums[w].clone()
+    dweight = torch.empty((c, w), dtype=weight.dtype, device=x.device)
+    dbias = torch.empty((c,), dtype=(weight if bias is None else bias).dtype, device=x.device)
+    launch(
+        _conv_reduce_kernel, (cdiv(c, _REDUCE_C),), part, dweight, dbias, blocks, c, W=w, ROWS=rows, BLOCK_C=_REDUCE_C
+    )
+    return dx, dweight, dbias
+
+
+_REDUCE_C = 128  # channels per program of the partial sums' reduction

@@ -143,6 +143,49 @@ def test_under_checkpointing(device, rng, checkpoint):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "width,has_bias,silu,block_t,group",
+    [
+        (3, False, True, 8, 2),
+        (4, True, True, 16, 4),
+        (5, True, False, 8, 3),
+        (7, False, True, 12, 4),
+        (2, True, False, 32, 8),
+    ],
+)
+def test_backward_kernel_against_autograd(device, rng, width, has_bias, silu, block_t, group):
+    # The backward kernel alone, at launch parameters the dispatcher does not pick (blocks that are no
+    # multiple of the group, a last channel block cut short), documents of 1 to 2W tokens, and the dweight and
+    # dbias sums of several programs; against autograd through the per-document reference.
+    from fastft.kernels import conv as kernels
+
+    lengths = [1, 1] + _lengths(rng, 45, 2 * width) + [1]
+    info = fastft.packed_seq_info(seq_lengths=lengths, device=device)
+    channels = 19
+    x, weight, bias = _inputs(rng, sum(lengths), channels, width, has_bias, device)
+    weight = weight.detach()[:, 0].contiguous().requires_grad_()
+    grad = torch.randn(x.shape, generator=rng).to(device)
+    # without bias, dbias is still returned: the gradient of a zero bias
+    b = bias if has_bias else torch.zeros(channels, device=device, requires_grad=True)
+    out = reference.packed_conv1d(x, weight, b, info.cu_seqlens, silu)
+    expected = _grads(out, x, weight, b, grad)
+    got = kernels.conv1d_backward(
+        grad,
+        x.detach(),
+        weight.detach(),
+        None if bias is None else bias.detach(),
+        info.position_ids.reshape(-1),
+        silu,
+        BLOCK_T=block_t,
+        BLOCK_C=8,
+        GROUP=group,
+        num_warps=1,
+    )
+    for name, g, want in zip(("dx", "dweight", "dbias"), got, expected):
+        assert g.dtype == want.dtype
+        torch.testing.assert_close(g, want, **FP32, msg=lambda m, name=name: f"{name}: {m}")
+
+
 # ---- validation -----------------------------------------------------------------------------------------
 
 
