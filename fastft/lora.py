@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ._checks import number_arg
 from ._custom_op import custom_op
 
-__all__ = ["lora_linear", "forward_op"]
+__all__ = ["lora_linear"]
 
 
 class _LoRALinear(torch.autograd.Function):
