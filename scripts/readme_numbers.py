@@ -91,10 +91,19 @@ def _peak(row: dict) -> str:
     return "?" if row.get("peak_gib") is None else f"{row['peak_gib']:.2f}"
 
 
+def _gpu(device: str) -> str:
+    """A run's device without the vendor and the architecture: "H100 80GB HBM3"."""
+    return device.removeprefix("NVIDIA ").split(" (sm")[0]
+
+
 def render(runs: list[dict]) -> str:
+    used = [c["run"] for c in comparisons(runs)]
+    devices = sorted({r["device"] for r in used})
+    several = len(devices) > 1  # then each row names its GPU
     lines = [
-        "| model | compared with | its tokens/s | fastft's tokens/s (column) | fastft / it | peak GiB, fastft / it |",
-        "|---|---|---|---|---|---|",
+        "| model | compared with | its tokens/s | fastft's tokens/s (column) | fastft / it | peak GiB, fastft / it |"
+        + (" GPU |" if several else ""),
+        "|---|---|---|---|---|---|" + ("---|" if several else ""),
     ]
     unprimed = fallback = False
     for c in comparisons(runs):
@@ -111,15 +120,13 @@ def render(runs: list[dict]) -> str:
         lines.append(
             f"| {_model(peer)} | {peer_name} | {peer['tokens_per_s']:,.0f} | "
             f"**{fastft['tokens_per_s']:,.0f}** (`{fastft['column']}`){mark} | **{ratio:.2f}x**{mark} | "
-            f"{_peak(fastft)} / {_peak(peer)} |"
+            f"{_peak(fastft)} / {_peak(peer)} |" + (f" {_gpu(c['run']['device'])} |" if several else "")
         )
-    used = [c["run"] for c in comparisons(runs)]
-    devices = sorted({r["device"] for r in used})
     dates = sorted({r["date"] for r in used})
     lines += [
         "",
         f"Real tokens per second of whole fine-tuning steps (forward, backward, AdamW; LoRA r=16, bf16) on one "
-        f"{' / '.join(devices)}, {' to '.join(dict.fromkeys([dates[0], dates[-1]]))}: a padding-free stream of fresh "
+        f"{' or '.join(devices)}, {' to '.join(dict.fromkeys([dates[0], dates[-1]]))}: a padding-free stream of fresh "
         "batches (a new token count every step, up to 16,384 tokens), the same weights and batches "
         "for every column, each pair from one run; peak memory is what the process reserved. Commands, every "
         "column and the runs' caveats: "

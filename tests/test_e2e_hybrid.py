@@ -42,6 +42,19 @@ def test_padded_micro_batches_hold_each_document_once_in_order(rng):
         assert (len(a.seq_lengths) + 1) * max(*a.seq_lengths, b.seq_lengths[0]) > budget
 
 
+def test_padded_columns_micro_batch_budget():
+    # Granite's stock padded step takes micro-batches of the stream's longest document; the others the row's
+    assert models.padded_budget("Granite-4.0-H-Tiny", tiny=False) == 4096 == max(models.sft_lengths(10**6))
+    assert models.budget("Granite-4.0-H-Tiny", tiny=False) == 16384
+    for name in ("Qwen3.5", "Qwen3-0.6B", "gpt-oss-20b"):
+        assert models.padded_budget(name, tiny=False) == models.budget(name, tiny=False)
+    assert models.padded_budget("Granite-4.0-H-Tiny", tiny=True) == models.budget("Granite-4.0-H-Tiny", tiny=True)
+    batch = packed_batch([4096, 3000, 900, 120, 4000], 1000, torch.Generator().manual_seed(0))
+    parts = micro_batches(stacks.column_inputs("stock sdpa, padded", batch, "Granite-4.0-H-Tiny", tiny=False))
+    assert [tuple(p["attention_mask"].sum(-1).tolist()) for p, _ in parts] == [(4096,), (3000,), (900, 120), (4000,)]
+    assert stacks.record_facts("stock sdpa, padded", "Granite-4.0-H-Tiny", tiny=False)["padded_budget"] == 4096
+
+
 def test_hybrid_models_in_the_table():
     for name in HYBRIDS:
         config = models.model_config(name, tiny=True)

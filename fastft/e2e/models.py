@@ -213,6 +213,10 @@ def sft_lengths(total: int, seed: int = 0, median: int = 380, max_len: int = 409
 
 
 TOKENS = {"gpt-oss-20b": 4096}  # tokens per packed row on a GPU; 16,384 for the others
+# Tokens per padded micro-batch where it is below the row's: transformers' torch Mamba-2 path (no mamba_ssm on the
+# GPU machines) materialises [chunks, 256, 256, heads, state] products, and 16,384 tokens of them run out of
+# memory on a 141 GiB card. 4,096: the stream's longest document, alone in its micro-batch.
+PADDED_TOKENS = {"Granite-4.0-H-Tiny": 4096}
 TINY_TOKENS = 256  # tokens per packed row in the tiny configs
 # the tiny configs (CPU, --quick): these fields replace the model's own where it has them, 2 layers
 TINY = dict(
@@ -260,9 +264,14 @@ def has_sinks(name: str) -> bool:
 
 
 def budget(name: str, tiny: bool) -> int:
-    """Tokens per packed row (and per padded micro-batch) of the model ``name``: 16,384 (gpt-oss 4,096; tiny
-    configs 256)."""
+    """Tokens per packed row of the model ``name``: 16,384 (gpt-oss 4,096; tiny configs 256)."""
     return TINY_TOKENS if tiny else TOKENS.get(name, 16384)
+
+
+def padded_budget(name: str, tiny: bool) -> int:
+    """Tokens per micro-batch of a padded column (``fastft.e2e.stream.padded``), padding included: the row's
+    ``budget``, or less where stock transformers' padded step does not fit it (``PADDED_TOKENS``)."""
+    return TINY_TOKENS if tiny else PADDED_TOKENS.get(name, budget(name, tiny))
 
 
 def full_depth(name: str) -> int:

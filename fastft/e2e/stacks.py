@@ -8,7 +8,8 @@ built on a transformers model with random weights from ``fastft.e2e.models``.
   one that takes its attention sinks), ``torch.utils.checkpoint``, and its default experts
   implementation (``grouped_mm``);
 - ``stock sdpa, padded``: the same documents one per row, right-padded (``attention_mask``, labels -100 on
-  padding), in micro-batches of at most the row's token budget, padding included, accumulated into one step
+  padding), in micro-batches of at most the row's token budget (``padded_budget``: less where stock's padded step
+  does not fit it), padding included, accumulated into one step
   (``fastft.e2e.stream.padded``: what a user does when packing is wrong for the model; no sorting by
   length); correct on every model, and the only correct stock column on models whose layers mix tokens
   outside attention (Gated DeltaNet). Its tokens/s counts the documents' tokens, not the padding;
@@ -68,7 +69,7 @@ import torch.nn.functional as F
 
 from . import quant as quantization
 from .models import MODEL_CONFIGS as MODELS
-from .models import budget, dtype_for, has_mixers, has_sinks, is_moe, mixer_modules, model_config
+from .models import budget, dtype_for, has_mixers, has_sinks, is_moe, mixer_modules, model_config, padded_budget
 from .stream import step_inputs
 
 LIGER_FAMILIES = {
@@ -424,8 +425,8 @@ def columns(device: torch.device, only=None) -> list[str]:
 
 def column_inputs(column: str, batch, name: str, tiny: bool, host_lengths: bool = False):
     """What ``column`` feeds the model ``name`` for one step on ``batch`` (``fastft.e2e.stream.step_inputs``):
-    the packed row, or for a padded column its documents padded to micro-batches of the model's budget."""
-    return step_inputs(batch, budget(name, tiny) if COLUMNS[column].padded else None, host_lengths)
+    the packed row, or for a padded column its documents padded to micro-batches of ``padded_budget``."""
+    return step_inputs(batch, padded_budget(name, tiny) if COLUMNS[column].padded else None, host_lengths)
 
 
 def record_facts(column: str, name: str, tiny: bool, layers=None) -> dict:
@@ -433,6 +434,6 @@ def record_facts(column: str, name: str, tiny: bool, layers=None) -> dict:
     takes as keywords (besides dtype, lora and quant, which the built model tells)."""
     return dict(
         layers=model_config(name, tiny, layers).num_hidden_layers,
-        padded_budget=budget(name, tiny) if COLUMNS[column].padded else None,
+        padded_budget=padded_budget(name, tiny) if COLUMNS[column].padded else None,
         leaks=leaks(column, name) is not None,
     )
