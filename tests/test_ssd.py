@@ -18,6 +18,8 @@ from fastft.ssd import (
     OP_SCAN,
     intra_backward_op,
     intra_forward_op,
+    output_backward_op,
+    output_forward_op,
     packed_ssd_scan,
     scan_states,
     state_scan_backward_op,
@@ -343,6 +345,57 @@ def test_intra_ops_pass_opcheck(device, rng):
     y, local, decay = intra_forward_op(x, a, b, cm)
     grads = [torch.randn(v.shape, generator=rng).to(device) for v in (y, local, decay, a)]
     torch.library.opcheck(intra_backward_op.op, (x, a, b, cm, *grads))
+
+
+def output_torch(y, a, cm, states, dy):
+    """The output's share from each chunk's entering state as ``_TritonChunks`` computed it in torch: the output
+    and, for its gradient dy, (dcum, dstates, dc)."""
+    h, nc, c, p = y.shape
+    g, n = cm.shape[0], cm.shape[-1]
+    cum = a.cumsum(-1)
+    states_g = states.view(g, h // g, nc, p, n)
+    off = cm.unsqueeze(1) @ states_g.transpose(-1, -2)  # [G, H/G, NC, C, P]
+    out = (y.view(off.shape) + off * cum.exp().view(*off.shape[:-1], 1)).view(h, nc, c, p)
+    dye = dy.view(g, h // g, nc, c, p) * cum.exp().view(g, h // g, nc, c, 1)
+    dcum = (dye * off).sum(-1).view(h, nc, c)
+    dstates = (dye.transpose(-1, -2) @ cm.unsqueeze(1)).view(h, nc, p, n)
+    return out, dcum, dstates, torch.einsum("ghkcp,ghkpn->gkcn", dye, states_g)
+
+
+# (heads, groups, chunks, chunk, head width, state width, head slices): P and N past a block of 32 and not
+# multiples of it; chunks no power of two and partly empty
+OUTPUT_SHAPES = [
+    (4, 2, 3, 5, 7, 40, None),
+    (6, 2, 2, 12, 70, 33, 2),
+    (2, 1, 2, 64, 64, 128, None),
+    (3, 1, 1, 3, 130, 6, 3),
+]
+
+
+@pytest.mark.parametrize("h, groups, nc, c, p, n, slices", OUTPUT_SHAPES)
+def test_output_kernels_match_torch(device, rng, h, groups, nc, c, p, n, slices):
+    """The output's share from the entering states and its backward (C's gradient summed over the group's heads,
+    across programs when the heads are sliced), fp32, against the torch expressions."""
+    from fastft.kernels import ssd as kernels
+
+    filled = (torch.arange(c) < c - c // 3).to(device)  # the chunks' last slots empty (zeros)
+    y, dy = (torch.randn(h, nc, c, p, generator=rng).to(device) * filled[:, None] for _ in range(2))
+    cm = torch.randn(groups, nc, c, n, generator=rng).to(device) * filled[:, None]
+    a = -torch.rand(h, nc, c, generator=rng).to(device) * 2 * filled
+    states = torch.randn(h, nc, p, n, generator=rng).to(device)
+    got = (kernels.output_forward(y, a, cm, states), *kernels.output_backward(dy, a, cm, states, head_slices=slices))
+    for name, u, e in zip(("y", "dcum", "dstates", "dc"), got, output_torch(y, a, cm, states, dy)):
+        assert u.shape == e.shape and u.dtype == torch.float32, name
+        assert_close_to(u, e, name)
+
+
+def test_output_ops_pass_opcheck(device, rng):
+    h, nc, c, p, n = 4, 2, 3, 5, 6
+    y, dy = (torch.randn(h, nc, c, p, generator=rng).to(device) for _ in range(2))
+    a = -torch.rand(h, nc, c, generator=rng).to(device)
+    cm, states = torch.randn(2, nc, c, n, generator=rng).to(device), torch.randn(h, nc, p, n, generator=rng).to(device)
+    torch.library.opcheck(output_forward_op.op, (y, a, cm, states))
+    torch.library.opcheck(output_backward_op.op, (dy, a, cm, states))
 
 
 # ---- transformers' implementation, one document at a time -------------------------------------------------
