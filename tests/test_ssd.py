@@ -46,9 +46,19 @@ def random_inputs(g, b, t, h, p, groups, n, device, dtype=torch.float32):
     return [v.to(device, dtype).requires_grad_() for v in (x, dt, A, B, C, D, dt_bias, z)]
 
 
-def assert_close_to(actual, expected, what):
-    err = (actual.float() - expected.float()).abs().max().item() if expected.numel() else 0.0
-    bound = RTOL * (expected.float().abs().max().item() if expected.numel() else 0.0) + ATOL
+# The Triton path may also lose up to this many times what the torch path loses in fp32 on the same values: a
+# gradient summed over terms that cancel (dA, ddt_bias) can lose more than RTOL of its largest element in any fp32
+# order, and the kernels' products run in 3xTF32 on the GPU.
+FP32_SLACK = 4.0
+
+
+def max_error(actual, expected) -> float:
+    return (actual.float() - expected.float()).abs().max().item() if expected.numel() else 0.0
+
+
+def assert_close_to(actual, expected, what, slack=0.0):
+    err = max_error(actual, expected)
+    bound = RTOL * (expected.float().abs().max().item() if expected.numel() else 0.0) + ATOL + slack
     assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
 
 
@@ -60,18 +70,26 @@ def check_against_reference(info, inputs, c, backend, *, dt_softplus=True, dt_li
         kw = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, z=z if gate else None)
         return fn(x, dt, A, B, C, *first, **kw)
 
-    out = run(lambda *a, **kw: packed_ssd_scan(*a, chunk_size=c, backend=backend, **kw), *inputs, info)
+    def op(backend):
+        return run(lambda *a, **kw: packed_ssd_scan(*a, chunk_size=c, backend=backend, **kw), *inputs, info)
+
+    out = op(backend)
     expected = run(reference.ssd_scan, *exact, info.position_ids)
     assert out.shape == expected.shape and out.dtype == inputs[0].dtype
-    assert_close_to(out, expected, "y")
+    n = len(inputs) if gate else len(inputs) - 1
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(out.numel())).to(out)  # replayable
+    want = [expected, *torch.autograd.grad((expected * w.double()).sum(), exact[:n])] if out.numel() else [expected]
+    slack = [0.0] * len(want)
+    if backend != "torch" and out.numel():  # what fp32 itself loses here, in the specification's order
+        spec = op("torch")
+        spec = [spec, *torch.autograd.grad((spec * w).sum(), inputs[:n])]
+        slack = [FP32_SLACK * max_error(a, e) for a, e in zip(spec, want)]
+    assert_close_to(out, expected, "y", slack[0])
     if out.numel() == 0:
         return
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(out.numel())).to(out)  # replayable
-    n = len(inputs) if gate else len(inputs) - 1
     got = torch.autograd.grad((out * w).sum(), inputs[:n])
-    want = torch.autograd.grad((expected * w.double()).sum(), exact[:n])
-    for name, a, e in zip(NAMES, got, want):
-        assert_close_to(a, e, name)
+    for name, a, e, extra in zip(NAMES, got, want[1:], slack[1:]):
+        assert_close_to(a, e, name, extra)
 
 
 CHUNK_SIZES = st.sampled_from([1, 2, 4, 8, 16])
