@@ -14,8 +14,8 @@ zeroed where a chunk starts a document, and the outputs are gathered back. Backe
 part batched in torch with autograd for its backward, the carry ``scan_states``, a Python loop over chunks: the
 specification) and ``triton`` (the carry ``state_scan_op``, a Triton scan forward and a reverse scan backward;
 with chunks of at most 64 tokens, states of at most 256 and heads of at most 128 also the intra-chunk part,
-``_TritonChunks``: ``intra_forward_op`` and ``intra_backward_op``, ``kernels/ssd.py``, and the backward written
-out; the output's share from each chunk's entering state stays torch).
+``_TritonChunks``: ``intra_forward_op`` and ``intra_backward_op``, the output's share from each chunk's entering
+state ``output_forward_op`` and ``output_backward_op``, ``kernels/ssd.py``, and the backward written out).
 Memory: the entering state of every chunk, fp32 ``[H, num_chunks_bound, P, N]`` (as mamba_ssm keeps), and in
 the backward its gradient.
 
@@ -314,24 +314,49 @@ def _(x, a, b, c, dy, dlocal, ddecay, dcum):
     )
 
 
+@custom_op("fastft::ssd_output_forward")
+def output_forward_op(y: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """``kernels.ssd.output_forward``: the output fp32, not differentiable."""
+    from .kernels import ssd as kernels
+
+    return kernels.output_forward(y, a, c, states)
+
+
+@output_forward_op.register_fake
+def _(y, a, c, states):
+    return y.new_empty(y.shape, dtype=torch.float32)
+
+
+@custom_op("fastft::ssd_output_backward")
+def output_backward_op(
+    dy: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.ssd.output_backward``: (dcum, dstates, dc) fp32."""
+    from .kernels import ssd as kernels
+
+    return kernels.output_backward(dy, a, c, states)
+
+
+@output_backward_op.register_fake
+def _(dy, a, c, states):
+    return tuple(v.new_empty(v.shape, dtype=torch.float32) for v in (a, states, c))
+
+
 class _TritonChunks(torch.autograd.Function):
-    """``_chunked``'s algorithm with its intra-chunk part on Triton (``intra_forward_op``) and its backward
-    written out (the torch path's autograd graph is its specification). Per head and chunk, with ``cum`` the
-    cumulative log decay: ``y = y_intra + exp(cum) * (C states^T)``, ``states`` the scan over chunks of the
-    kernel's ``local`` and ``decay``. Inputs fp32: x (x * dt) ``[H, NC, C, P]``, a (dt * A) ``[H, NC, C]``,
-    B and C ``[G, NC, C, N]``, first ``[NC]``; returns y ``[H, NC, C, P]``."""
+    """``_chunked``'s algorithm on Triton (``intra_forward_op``, ``state_scan_op``, ``output_forward_op``) and its
+    backward written out (the torch path's autograd graph is its specification). Per head and chunk, with ``cum``
+    the cumulative log decay: ``y = y_intra + exp(cum) * (C states^T)``, ``states`` the scan over chunks of the
+    intra-chunk kernel's ``local`` and ``decay``. Inputs fp32: x (x * dt) ``[H, NC, C, P]``, a (dt * A)
+    ``[H, NC, C]``, B and C ``[G, NC, C, N]``, first ``[NC]``; returns y ``[H, NC, C, P]``."""
 
     @staticmethod
     def forward(ctx, x, a, b, c, first):
-        h, nc, cs, p = x.shape
-        g, n = b.shape[0], b.shape[-1]
+        h, nc, _, p = x.shape
+        n = b.shape[-1]
         y, local, decay = intra_forward_op(x, a, b, c)
         states = state_scan_op(local.view(h, nc, p * n), decay, first)
-        cum = a.cumsum(-1)
-        off = c.unsqueeze(1) @ states.view(g, h // g, nc, p, n).transpose(-1, -2)  # [G, H/G, NC, C, P]
-        y = y.view(off.shape) + off * cum.exp().view(*off.shape[:-1], 1)
-        ctx.save_for_backward(x, a, b, c, first, decay, states, cum)
-        return y.view(h, nc, cs, p)
+        ctx.save_for_backward(x, a, b, c, first, decay, states)
+        return output_forward_op(y, a, c, states.view(h, nc, p, n))
 
     @staticmethod
     def backward(ctx, dy):
@@ -340,16 +365,11 @@ class _TritonChunks(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy):
-        x, a, b, c, first, decay, states, cum = ctx.saved_tensors
-        h, nc, cs, p = x.shape
-        g, n = b.shape[0], b.shape[-1]
-        states_g = states.view(g, h // g, nc, p, n)
+        x, a, b, c, first, decay, states = ctx.saved_tensors
+        h, nc, _, p = x.shape
+        n = b.shape[-1]
         dy = dy.contiguous()
-        dye = dy.view(g, h // g, nc, cs, p) * cum.exp().view(g, h // g, nc, cs, 1)
-        off = c.unsqueeze(1) @ states_g.transpose(-1, -2)
-        dcum = (dye * off).sum(-1).view(h, nc, cs)
-        dstates = (dye.transpose(-1, -2) @ c.unsqueeze(1)).view(h, nc, p * n)
-        dc_off = torch.einsum("ghkcp,ghkpn->gkcn", dye, states_g)
-        dlocal, ddecay = state_scan_backward_op.op(decay, first, states, dstates)
+        dcum, dstates, dc_off = output_backward_op(dy, a, c, states.view(h, nc, p, n))
+        dlocal, ddecay = state_scan_backward_op.op(decay, first, states, dstates.view(h, nc, p * n))
         dx, db, dc, da = intra_backward_op(x, a, b, c, dy, dlocal.view(h, nc, p, n), ddecay, dcum)
         return dx, da, db, dc + dc_off, None

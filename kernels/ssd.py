@@ -22,6 +22,12 @@ computed once for them) or a block of the state's columns (B's and C's gradients
 and walks the state's columns in blocks. The decays over ranges of tokens are summed as such (a masked
 cumulative sum over the chunk), not as differences of cumulative sums.
 
+``output_forward`` / ``output_backward`` add the output's share from each chunk's entering state, ``exp(cum) *
+(C states^T)`` with ``cum`` the cumulative log decay over the chunk (summed in the kernels), and take its
+backward: ``dstates = (dy * exp(cum))^T C`` a program per head's chunk; C's gradient ``(dy * exp(cum)) states``
+summed over the group's heads, and cum's, a program per group's chunk, slice of its heads and block of the
+state's columns (partial sums over slices and blocks added after, no atomics).
+
 fp32 throughout; the intra-chunk products on tensor cores in 3xTF32 where the GPU has them (sm80 on).
 """
 
@@ -225,7 +231,7 @@ def _intra_forward_kernel(
     BN: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)  # over G * NC * slices
-    slices = tl.cdiv(HG, HS)
+    slices = (HG + HS - 1) // HS
     group_chunk, part = pid // slices, pid % slices
     group, chunk = group_chunk // NC, group_chunk % NC
     oc, op = tl.arange(0, BC), tl.arange(0, BP)
@@ -333,7 +339,7 @@ def _intra_backward_heads_kernel(
 ):
     """dx and da of each head; the gradient of ``C B^T`` summed over the slice's heads (``dcb``, per slice)."""
     pid = tl.program_id(0).to(tl.int64)  # over G * NC * slices
-    slices = tl.cdiv(HG, HS)
+    slices = (HG + HS - 1) // HS
     group_chunk, part = pid // slices, pid % slices
     group, chunk = group_chunk // NC, group_chunk % NC
     oc, op = tl.arange(0, BC), tl.arange(0, BP)
@@ -406,7 +412,7 @@ def _intra_backward_state_kernel(
     """B's and C's gradients, a block of the state's columns per program: through ``C B^T`` (``dcb``, summed over
     the group's heads) and, for B, through every head's local state."""
     pid = tl.program_id(0).to(tl.int64)  # over G * NC * column blocks
-    blocks = tl.cdiv(N, BN)
+    blocks = (N + BN - 1) // BN
     group_chunk, block = pid // blocks, pid % blocks
     group, chunk = group_chunk // NC, group_chunk % NC
     oc, op, on = tl.arange(0, BC), tl.arange(0, BP), block * BN + tl.arange(0, BN)
@@ -482,3 +488,230 @@ def intra_backward(
         **meta,
     )
     return dx, db, dc, da
+
+
+# ---- the output's share from each chunk's entering state -------------------------------------------------------
+
+
+@triton.jit
+def _output_forward_kernel(
+    y_ptr,
+    a_ptr,
+    c_ptr,
+    states_ptr,
+    out_ptr,
+    NC,
+    C,
+    P,
+    N,
+    HG,
+    DOT: tl.constexpr,
+    BC: tl.constexpr,
+    BP: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """``out = y + exp(cum) * (C S^T)`` for one head's chunk and a block of its columns."""
+    pid = tl.program_id(0).to(tl.int64)  # over H * NC * column blocks
+    blocks = (P + BP - 1) // BP
+    hc, block = pid // blocks, pid % blocks  # hc: this head's chunk
+    group_chunk = (hc // NC // HG) * NC + hc % NC
+    oc, op = tl.arange(0, BC), block * BP + tl.arange(0, BP)
+    mc, mp = oc < C, op < P
+    cum = tl.cumsum(tl.load(a_ptr + hc * C + oc, mask=mc, other=0.0), 0)
+    acc = tl.zeros((BC, BP), dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        on = n0 + tl.arange(0, BN)
+        mn = on < N
+        cc = tl.load(
+            c_ptr + group_chunk * C * N + oc[:, None] * N + on[None, :], mask=mc[:, None] & mn[None, :], other=0.0
+        )
+        st = tl.load(states_ptr + hc * P * N + op[:, None] * N + on[None, :], mask=mp[:, None] & mn[None, :], other=0.0)
+        acc += tl.dot(cc, tl.trans(st), input_precision=DOT)
+    yp = hc * C * P + oc[:, None] * P + op[None, :]
+    cp = mc[:, None] & mp[None, :]
+    tl.store(out_ptr + yp, tl.load(y_ptr + yp, mask=cp, other=0.0) + acc * tl.exp(cum)[:, None], mask=cp)
+
+
+@triton.jit
+def _output_backward_states_kernel(
+    dy_ptr,
+    a_ptr,
+    c_ptr,
+    dstates_ptr,
+    NC,
+    C,
+    P,
+    N,
+    HG,
+    DOT: tl.constexpr,
+    BC: tl.constexpr,
+    BP: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """``dstates = (dy * exp(cum))^T C`` for one head's chunk and a block of its rows, the state's columns ``BN`` at
+    a time."""
+    pid = tl.program_id(0).to(tl.int64)  # over H * NC * column blocks of P
+    blocks = (P + BP - 1) // BP
+    hc, block = pid // blocks, pid % blocks  # hc: this head's chunk
+    group_chunk = (hc // NC // HG) * NC + hc % NC
+    oc, op = tl.arange(0, BC), block * BP + tl.arange(0, BP)
+    mc, mp = oc < C, op < P
+    cum = tl.cumsum(tl.load(a_ptr + hc * C + oc, mask=mc, other=0.0), 0)
+    dy = tl.load(dy_ptr + hc * C * P + oc[:, None] * P + op[None, :], mask=mc[:, None] & mp[None, :], other=0.0)
+    dye_t = tl.trans(dy * tl.exp(cum)[:, None])  # [BP, BC]
+    for n0 in range(0, N, BN):
+        on = n0 + tl.arange(0, BN)
+        mn = on < N
+        cc = tl.load(
+            c_ptr + group_chunk * C * N + oc[:, None] * N + on[None, :], mask=mc[:, None] & mn[None, :], other=0.0
+        )
+        ds = tl.dot(dye_t, cc, input_precision=DOT)
+        tl.store(dstates_ptr + hc * P * N + op[:, None] * N + on[None, :], ds, mask=mp[:, None] & mn[None, :])
+
+
+@triton.jit
+def _output_backward_c_kernel(
+    dy_ptr,
+    a_ptr,
+    c_ptr,
+    states_ptr,
+    dcum_ptr,
+    dc_ptr,
+    H,
+    NC,
+    C,
+    P,
+    N,
+    HG,
+    HS,
+    DOT: tl.constexpr,
+    BC: tl.constexpr,
+    BP: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """For a group's chunk, a slice of its heads and a block of the state's columns, with ``dye = dy * exp(cum)``:
+    C's gradient ``dye S`` summed over the slice's heads (per slice) and each head's ``dcum = rowsum(C * (dye
+    S))`` over the block's columns (per block)."""
+    pid = tl.program_id(0).to(tl.int64)  # over G * NC * slices * column blocks
+    blocks = (N + BN - 1) // BN
+    slices = (HG + HS - 1) // HS
+    block = pid % blocks
+    part = (pid // blocks) % slices
+    group_chunk = pid // blocks // slices
+    group, chunk = group_chunk // NC, group_chunk % NC
+    oc, on = tl.arange(0, BC), block * BN + tl.arange(0, BN)
+    mc, mn = oc < C, on < N
+    cc = tl.load(c_ptr + group_chunk * C * N + oc[:, None] * N + on[None, :], mask=mc[:, None] & mn[None, :], other=0.0)
+    dc = tl.zeros((BC, BN), dtype=tl.float32)
+    for hh in range(part * HS, tl.minimum(part * HS + HS, HG)):
+        hc = (group * HG + hh) * NC + chunk  # this head's chunk
+        cum = tl.cumsum(tl.load(a_ptr + hc * C + oc, mask=mc, other=0.0), 0)
+        dye_s = tl.zeros((BC, BN), dtype=tl.float32)  # (dy * exp(cum)) S, P in blocks
+        for p0 in range(0, P, BP):
+            op = p0 + tl.arange(0, BP)
+            mp = op < P
+            dy = tl.load(dy_ptr + hc * C * P + oc[:, None] * P + op[None, :], mask=mc[:, None] & mp[None, :], other=0.0)
+            st = tl.load(
+                states_ptr + hc * P * N + op[:, None] * N + on[None, :], mask=mp[:, None] & mn[None, :], other=0.0
+            )
+            dye_s += tl.dot(dy, st, input_precision=DOT)
+        dye_s *= tl.exp(cum)[:, None]
+        dc += dye_s
+        tl.store(dcum_ptr + (block * H * NC + hc) * C + oc, tl.sum(cc * dye_s, 1), mask=mc)
+    # per slice: [G, NC, slices, C, N]
+    tl.store(dc_ptr + (pid // blocks) * C * N + oc[:, None] * N + on[None, :], dc, mask=mc[:, None] & mn[None, :])
+
+
+def _check_output(y: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: torch.Tensor) -> None:
+    h, nc, cs, p = y.shape
+    if a.shape != (h, nc, cs) or c.dim() != 4 or c.shape[1:3] != (nc, cs) or h % c.shape[0]:
+        raise ValueError(
+            f"expected y [H, NC, C, P], a [H, NC, C], c [G, NC, C, N] with G dividing H, got y {tuple(y.shape)}, "
+            f"a {tuple(a.shape)}, c {tuple(c.shape)}"
+        )
+    if states.shape != (h, nc, p, c.shape[-1]):
+        raise ValueError(f"expected states [H, NC, P, N] = {(h, nc, p, c.shape[-1])}, got {tuple(states.shape)}")
+
+
+def output_forward(y: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """The chunked SSD scan's output, per head and chunk (heads grouped as ``[G, H // G]``): fp32 ``y + exp(cum)
+    * (C states^T)`` ``[H, NC, C, P]`` for fp32 y ``[H, NC, C, P]`` (the intra-chunk part), a ``[H, NC, C]``
+    (the log decays, ``cum`` their cumulative sum over the chunk), C ``[G, NC, C, N]`` and the states entering
+    each chunk ``[H, NC, P, N]``."""
+    _check_output(y, a, c, states)
+    h, nc, cs, p = y.shape
+    g, n = c.shape[0], c.shape[-1]
+    y, a, c, states = (v.float().contiguous() for v in (y, a, c, states))
+    out = y.new_empty(h, nc, cs, p)
+    if h * nc == 0:
+        return out
+    bc, bp = max(16, next_power_of_2(cs)), max(16, min(64, next_power_of_2(p)))
+    launch(
+        _output_forward_kernel,
+        (h * nc * cdiv(p, bp),),
+        y,
+        a,
+        c,
+        states,
+        out,
+        nc,
+        cs,
+        p,
+        n,
+        h // g,
+        DOT=dot_precision(y.device),
+        BC=bc,
+        BP=bp,
+        BN=_COLUMNS,
+        num_warps=_intra_warps(bc, bp),
+    )
+    return out
+
+
+def output_backward(
+    dy: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: torch.Tensor, *, head_slices: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``output_forward``'s backward but for y's gradient (dy itself): fp32 (dcum ``[H, NC, C]``, the gradient
+    of ``cum``; dstates ``[H, NC, P, N]``; dc ``[G, NC, C, N]``, summed over the group's heads) from the output's
+    gradient dy and ``output_forward``'s a, c and states. ``head_slices`` as in ``intra_forward``."""
+    _check_output(dy, a, c, states)
+    h, nc, cs, p = dy.shape
+    g, n = c.shape[0], c.shape[-1]
+    dy, a, c, states = (v.float().contiguous() for v in (dy, a, c, states))
+    dstates = dy.new_empty(h, nc, p, n)
+    if h * nc == 0:
+        return dy.new_zeros(h, nc, cs), dstates, dy.new_zeros(g, nc, cs, n)
+    hg = h // g
+    blocks = cdiv(n, _COLUMNS)
+    per_slice = cdiv(hg, head_slices or _default_head_slices(dy.device, g * nc * blocks, hg))
+    slices = cdiv(hg, per_slice)
+    dcum, dc = dy.new_empty(blocks, h, nc, cs), dy.new_empty(g, nc, slices, cs, n)
+    bc, bp = max(16, next_power_of_2(cs)), max(16, min(64, next_power_of_2(p)))
+    meta = dict(DOT=dot_precision(dy.device), BC=bc, BP=bp, BN=_COLUMNS, num_warps=_intra_warps(bc, bp))
+    launch(_output_backward_states_kernel, (h * nc * cdiv(p, bp),), dy, a, c, dstates, nc, cs, p, n, hg, **meta)
+    # dy's and the states' P columns 32 at a time here: 64 spills registers (sm90, 3xTF32)
+    bp = max(16, min(_COLUMNS, bp))
+    meta.update(BP=bp, num_warps=_intra_warps(bc, bp))
+    launch(
+        _output_backward_c_kernel,
+        (g * nc * slices * blocks,),
+        dy,
+        a,
+        c,
+        states,
+        dcum,
+        dc,
+        h,
+        nc,
+        cs,
+        p,
+        n,
+        hg,
+        per_slice,
+        **meta,
+    )
+    return (
+        dcum.sum(0) if blocks > 1 else dcum.view(h, nc, cs),
+        dstates,
+        dc.sum(2) if slices > 1 else dc.view(g, nc, cs, n),
+    )

@@ -18,6 +18,8 @@ from fastft.ssd import (
     OP_SCAN,
     intra_backward_op,
     intra_forward_op,
+    output_backward_op,
+    output_forward_op,
     packed_ssd_scan,
     scan_states,
     state_scan_backward_op,
@@ -44,9 +46,19 @@ def random_inputs(g, b, t, h, p, groups, n, device, dtype=torch.float32):
     return [v.to(device, dtype).requires_grad_() for v in (x, dt, A, B, C, D, dt_bias, z)]
 
 
-def assert_close_to(actual, expected, what):
-    err = (actual.float() - expected.float()).abs().max().item() if expected.numel() else 0.0
-    bound = RTOL * (expected.float().abs().max().item() if expected.numel() else 0.0) + ATOL
+# The Triton path may also lose up to this many times what the torch path loses in fp32 on the same values: a
+# gradient summed over terms that cancel (dA, ddt_bias) can lose more than RTOL of its largest element in any fp32
+# order, and the kernels' products run in 3xTF32 on the GPU.
+FP32_SLACK = 4.0
+
+
+def max_error(actual, expected) -> float:
+    return (actual.float() - expected.float()).abs().max().item() if expected.numel() else 0.0
+
+
+def assert_close_to(actual, expected, what, slack=0.0):
+    err = max_error(actual, expected)
+    bound = RTOL * (expected.float().abs().max().item() if expected.numel() else 0.0) + ATOL + slack
     assert err <= bound, f"{what}: max abs error {err:.3g} > {bound:.3g}"
 
 
@@ -58,18 +70,26 @@ def check_against_reference(info, inputs, c, backend, *, dt_softplus=True, dt_li
         kw = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, z=z if gate else None)
         return fn(x, dt, A, B, C, *first, **kw)
 
-    out = run(lambda *a, **kw: packed_ssd_scan(*a, chunk_size=c, backend=backend, **kw), *inputs, info)
+    def op(backend):
+        return run(lambda *a, **kw: packed_ssd_scan(*a, chunk_size=c, backend=backend, **kw), *inputs, info)
+
+    out = op(backend)
     expected = run(reference.ssd_scan, *exact, info.position_ids)
     assert out.shape == expected.shape and out.dtype == inputs[0].dtype
-    assert_close_to(out, expected, "y")
+    n = len(inputs) if gate else len(inputs) - 1
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(out.numel())).to(out)  # replayable
+    want = [expected, *torch.autograd.grad((expected * w.double()).sum(), exact[:n])] if out.numel() else [expected]
+    slack = [0.0] * len(want)
+    if backend != "torch" and out.numel():  # what fp32 itself loses here, in the specification's order
+        spec = op("torch")
+        spec = [spec, *torch.autograd.grad((spec * w).sum(), inputs[:n])]
+        slack = [FP32_SLACK * max_error(a, e) for a, e in zip(spec, want)]
+    assert_close_to(out, expected, "y", slack[0])
     if out.numel() == 0:
         return
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(out.numel())).to(out)  # replayable
-    n = len(inputs) if gate else len(inputs) - 1
     got = torch.autograd.grad((out * w).sum(), inputs[:n])
-    want = torch.autograd.grad((expected * w.double()).sum(), exact[:n])
-    for name, a, e in zip(NAMES, got, want):
-        assert_close_to(a, e, name)
+    for name, a, e, extra in zip(NAMES, got, want[1:], slack[1:]):
+        assert_close_to(a, e, name, extra)
 
 
 CHUNK_SIZES = st.sampled_from([1, 2, 4, 8, 16])
@@ -343,6 +363,57 @@ def test_intra_ops_pass_opcheck(device, rng):
     y, local, decay = intra_forward_op(x, a, b, cm)
     grads = [torch.randn(v.shape, generator=rng).to(device) for v in (y, local, decay, a)]
     torch.library.opcheck(intra_backward_op.op, (x, a, b, cm, *grads))
+
+
+def output_torch(y, a, cm, states, dy):
+    """The output's share from each chunk's entering state as ``_TritonChunks`` computed it in torch: the output
+    and, for its gradient dy, (dcum, dstates, dc)."""
+    h, nc, c, p = y.shape
+    g, n = cm.shape[0], cm.shape[-1]
+    cum = a.cumsum(-1)
+    states_g = states.view(g, h // g, nc, p, n)
+    off = cm.unsqueeze(1) @ states_g.transpose(-1, -2)  # [G, H/G, NC, C, P]
+    out = (y.view(off.shape) + off * cum.exp().view(*off.shape[:-1], 1)).view(h, nc, c, p)
+    dye = dy.view(g, h // g, nc, c, p) * cum.exp().view(g, h // g, nc, c, 1)
+    dcum = (dye * off).sum(-1).view(h, nc, c)
+    dstates = (dye.transpose(-1, -2) @ cm.unsqueeze(1)).view(h, nc, p, n)
+    return out, dcum, dstates, torch.einsum("ghkcp,ghkpn->gkcn", dye, states_g)
+
+
+# (heads, groups, chunks, chunk, head width, state width, head slices): P and N past a block of 32 and not
+# multiples of it; chunks no power of two and partly empty
+OUTPUT_SHAPES = [
+    (4, 2, 3, 5, 7, 40, None),
+    (6, 2, 2, 12, 70, 33, 2),
+    (2, 1, 2, 64, 64, 128, None),
+    (3, 1, 1, 3, 130, 6, 3),
+]
+
+
+@pytest.mark.parametrize("h, groups, nc, c, p, n, slices", OUTPUT_SHAPES)
+def test_output_kernels_match_torch(device, rng, h, groups, nc, c, p, n, slices):
+    """The output's share from the entering states and its backward (C's gradient summed over the group's heads,
+    across programs when the heads are sliced), fp32, against the torch expressions."""
+    from fastft.kernels import ssd as kernels
+
+    filled = (torch.arange(c) < c - c // 3).to(device)  # the chunks' last slots empty (zeros)
+    y, dy = (torch.randn(h, nc, c, p, generator=rng).to(device) * filled[:, None] for _ in range(2))
+    cm = torch.randn(groups, nc, c, n, generator=rng).to(device) * filled[:, None]
+    a = -torch.rand(h, nc, c, generator=rng).to(device) * 2 * filled
+    states = torch.randn(h, nc, p, n, generator=rng).to(device)
+    got = (kernels.output_forward(y, a, cm, states), *kernels.output_backward(dy, a, cm, states, head_slices=slices))
+    for name, u, e in zip(("y", "dcum", "dstates", "dc"), got, output_torch(y, a, cm, states, dy)):
+        assert u.shape == e.shape and u.dtype == torch.float32, name
+        assert_close_to(u, e, name)
+
+
+def test_output_ops_pass_opcheck(device, rng):
+    h, nc, c, p, n = 4, 2, 3, 5, 6
+    y, dy = (torch.randn(h, nc, c, p, generator=rng).to(device) for _ in range(2))
+    a = -torch.rand(h, nc, c, generator=rng).to(device)
+    cm, states = torch.randn(2, nc, c, n, generator=rng).to(device), torch.randn(h, nc, p, n, generator=rng).to(device)
+    torch.library.opcheck(output_forward_op.op, (y, a, cm, states))
+    torch.library.opcheck(output_backward_op.op, (dy, a, cm, states))
 
 
 # ---- transformers' implementation, one document at a time -------------------------------------------------
