@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import sys
 
 import torch
@@ -139,7 +140,7 @@ def write_json(path: str, device: torch.device, rows: list) -> None:
         "device": device_name(device),
         "fastft_runs": fastft_runs(device),
         "versions": versions(),
-        "command": " ".join([prog()] + sys.argv[1:]),
+        "command": " ".join([prog(), *map(shlex.quote, sys.argv[1:])]),  # as a shell takes it again
         "rows": rows,
     }
     with open(path, "w") as f:

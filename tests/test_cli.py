@@ -4,6 +4,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,16 @@ def test_bench_quick_writes_json(tmp_path):
     record = json.loads(path.read_text())
     assert record["device"] and record["rows"] and all(r["fastft_ms"] > 0 for r in record["rows"])
     assert "sdpa_mask" in out.stdout and "speedup" in out.stdout
+
+
+def test_json_record_keeps_the_command_line_as_typed(tmp_path, monkeypatch):
+    from fastft import cli
+
+    argv = ["e2e", "--model", "Qwen3.5", "--column", "stock sdpa, padded", "--json", str(tmp_path / "r.json")]
+    monkeypatch.setattr(sys, "argv", ["fastft", *argv])
+    cli.write_json(str(tmp_path / "r.json"), torch.device("cpu"), [])
+    command = json.loads((tmp_path / "r.json").read_text())["command"]
+    assert shlex.split(command) == ["fastft", *argv]
 
 
 def test_e2e_runs_one_model_and_ends_with_the_verdict(tmp_path):
