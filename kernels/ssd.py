@@ -170,10 +170,10 @@ def state_scan_backward(
 _COLUMNS = 32
 
 
-def _intra_warps(bc: int, bp: int) -> int:
-    """8 warps where every operand is at least 32 wide (fewer registers spilled), else 4: Triton 3.6 builds 8 over
-    16-wide operands into wrong results (seen in kernels/delta_rule.py's intra-chunk kernels)."""
-    return 8 if min(bc, bp, _COLUMNS) >= 32 else 4
+# The intra-chunk and output kernels run 4 warps: on sm90 at Mamba-2's widths 4 ran them faster than 8, spills
+# included (docs/benchmarks.md, ssd and selective_scan), and Triton 3.6 builds 8 over 16-wide operands into wrong
+# results (seen in kernels/delta_rule.py's intra-chunk kernels).
+_WARPS = 4
 
 
 def _default_head_slices(device: torch.device, programs: int, heads_per_group: int) -> int:
@@ -308,7 +308,7 @@ def intra_forward(
         BC=max(16, next_power_of_2(cs)),
         BP=max(16, next_power_of_2(p)),
         BN=_COLUMNS,
-        num_warps=_intra_warps(max(16, next_power_of_2(cs)), max(16, next_power_of_2(p))),
+        num_warps=_WARPS,
     )
     return y, local, decay
 
@@ -465,7 +465,7 @@ def intra_backward(
     slices = cdiv(hg, per_slice)
     bc, bp = max(16, next_power_of_2(cs)), max(16, next_power_of_2(p))
     dcb = f[0].new_empty(g, nc, slices, bc, bc)
-    meta = dict(DOT=dot_precision(x.device), BC=bc, BP=bp, BN=_COLUMNS, num_warps=_intra_warps(bc, bp))
+    meta = dict(DOT=dot_precision(x.device), BC=bc, BP=bp, BN=_COLUMNS, num_warps=_WARPS)
     launch(_intra_backward_heads_kernel, (g * nc * slices,), *f, dx, da, dcb, nc, cs, p, n, hg, per_slice, **meta)
     dcb = dcb.sum(2) if slices > 1 else dcb.view(g, nc, bc, bc)
     x_, a_, b_, c_, _, dlocal_, *_ = f
@@ -663,7 +663,7 @@ def output_forward(y: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: to
         BC=bc,
         BP=bp,
         BN=_COLUMNS,
-        num_warps=_intra_warps(bc, bp),
+        num_warps=_WARPS,
     )
     return out
 
@@ -687,11 +687,11 @@ def output_backward(
     slices = cdiv(hg, per_slice)
     dcum, dc = dy.new_empty(blocks, h, nc, cs), dy.new_empty(g, nc, slices, cs, n)
     bc, bp = max(16, next_power_of_2(cs)), max(16, min(64, next_power_of_2(p)))
-    meta = dict(DOT=dot_precision(dy.device), BC=bc, BP=bp, BN=_COLUMNS, num_warps=_intra_warps(bc, bp))
+    meta = dict(DOT=dot_precision(dy.device), BC=bc, BP=bp, BN=_COLUMNS, num_warps=_WARPS)
     launch(_output_backward_states_kernel, (h * nc * cdiv(p, bp),), dy, a, c, dstates, nc, cs, p, n, hg, **meta)
     # dy's and the states' P columns 32 at a time here: 64 spills registers (sm90, 3xTF32)
     bp = max(16, min(_COLUMNS, bp))
-    meta.update(BP=bp, num_warps=_intra_warps(bc, bp))
+    meta.update(BP=bp)
     launch(
         _output_backward_c_kernel,
         (g * nc * slices * blocks,),
