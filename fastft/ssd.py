@@ -13,11 +13,12 @@ leaves from a zero entering state) runs over all chunks at once, the state is ca
 zeroed where a chunk starts a document, and the outputs are gathered back. Backends: ``torch`` (the intra-chunk
 part batched in torch with autograd for its backward, the carry ``scan_states``, a Python loop over chunks: the
 specification) and ``triton`` (the carry ``state_scan_op``, a Triton scan forward and a reverse scan backward;
-with chunks of at most 64 tokens, states of at most 256 and heads of at most 128 also the intra-chunk part,
-``_TritonChunks``: ``intra_forward_op`` and ``intra_backward_op``, the output's share from each chunk's entering
-state ``output_forward_op`` and ``output_backward_op``, ``kernels/ssd.py``, and the backward written out).
-Memory: the entering state of every chunk, fp32 ``[H, num_chunks_bound, P, N]`` (as mamba_ssm keeps), and in
-the backward its gradient.
+with chunks of at most 64 tokens, states of at most 256 and heads of at most 128 the whole op but the step's
+discretization and B's and C's gather, ``_TritonScan``: x and the step into the slots ``pack_forward_op``, the
+intra-chunk part ``intra_forward_op``, the output's share from each chunk's entering state
+``output_forward_op``, the outputs back to the tokens with D and z ``unpack_forward_op``, ``kernels/ssd.py``, and
+the backward written out with their ``_backward`` ops). Memory: the entering state of every chunk, fp32 ``[H,
+num_chunks_bound, P, N]`` (as mamba_ssm keeps), and in the backward its gradient.
 
 GPU syncs: none when ``info`` came from host lengths / ``cu_seqlens``; from device position ids, the one
 ``PackedSeqInfo`` makes when ``num_seqs`` is first read (the chunk layout's size is bounded by it).
@@ -26,6 +27,7 @@ GPU syncs: none when ``info`` came from host lengths / ``cu_seqlens``; from devi
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -152,6 +154,9 @@ def packed_ssd_scan(
     table = chunk_table(info, chunk_size)
     with torch.autocast(x.device.type, enabled=False):
         step = discretize(dt.reshape(b * t, h), dt_bias, dt_softplus, dt_limit).float()
+        if chosen == "triton" and chunk_size <= _TRITON_INTRA_MAX_CHUNK and B.shape[-1] <= 256 and p <= 128:
+            z = None if z is None else z.reshape(b * t, h, p)
+            return _on_triton(x.reshape(b * t, h, p), step, A, B, C, D, z, table).view(b, t, h, p)
         xf = x.reshape(b * t, h, p).float()  # cast once: x's gradient is summed in fp32, rounded once
         y = _chunked(xf, step, A, B, C, table, chosen)  # [N, H, P]
         if D is not None:
@@ -161,26 +166,23 @@ def packed_ssd_scan(
     return y.reshape(b, t, h, p).to(x.dtype)
 
 
+def _slots(v: torch.Tensor, table: ChunkTable) -> torch.Tensor:
+    """``[N, K, D]`` -> ``[K, num_chunks, C, D]``: each token in its slot of ``table``, zeros in the empty slots."""
+    num_chunks, c = table.token_index.shape
+    slots = v.new_zeros(v.shape[1], num_chunks * c, v.shape[-1])
+    return slots.index_copy(1, table.slot, v.transpose(0, 1)).view(v.shape[1], num_chunks, c, -1)
+
+
 def _chunked(x, dt, A, B, C, table: ChunkTable, backend: str) -> torch.Tensor:
     """y ``[N, H, P]`` fp32 (without D and z) for fp32 x ``[N, H, P]`` and discretized dt ``[N, H]``: the
-    chunked SSD algorithm on ``table``'s layout, heads grouped as ``[G, H // G]``; the scan over chunks on
-    ``backend``."""
+    chunked SSD algorithm on ``table``'s layout, heads grouped as ``[G, H // G]``, the intra-chunk part in torch;
+    the scan over chunks on ``backend``."""
     n, h, p = x.shape
     g, state_size = B.shape[-2:]
     c, num_chunks = table.chunk_size, table.num_chunks_bound
-
-    def chunks(v):  # [N, K, D] -> [K, num_chunks, C, D], zeros in the empty slots
-        slots = v.new_zeros(v.shape[1], num_chunks * c, v.shape[-1])
-        return slots.index_copy(1, table.slot, v.transpose(0, 1)).view(v.shape[1], num_chunks, c, -1)
-
-    log_decay = chunks((dt * A.float())[..., None]).view(g, h // g, num_chunks, c)  # dt * A per token
-    x_dt = chunks(x * dt[..., None]).view(g, h // g, num_chunks, c, p)
-    B, C = (chunks(v.reshape(n, g, state_size).float()).unsqueeze(1) for v in (B, C))  # [G, 1, chunks, C, N]
-    if backend == "triton" and c <= _TRITON_INTRA_MAX_CHUNK and state_size <= 256 and p <= 128:
-        y = _TritonChunks.apply(
-            x_dt.view(h, num_chunks, c, p), log_decay.view(h, num_chunks, c), B[:, 0], C[:, 0], table.first
-        )
-        return y.view(h, num_chunks * c, p).transpose(0, 1).index_select(0, table.slot)
+    log_decay = _slots((dt * A.float())[..., None], table).view(g, h // g, num_chunks, c)  # dt * A per token
+    x_dt = _slots(x * dt[..., None], table).view(g, h // g, num_chunks, c, p)
+    B, C = (_slots(v.reshape(n, g, state_size).float(), table).unsqueeze(1) for v in (B, C))  # [G, 1, chunks, C, N]
 
     # Sums of decays over ranges of tokens are summed as such (not as differences of cumulative sums, whose
     # rounding grows with the chunk's total decay).
@@ -342,34 +344,154 @@ def _(dy, a, c, states):
     return tuple(v.new_empty(v.shape, dtype=torch.float32) for v in (a, states, c))
 
 
-class _TritonChunks(torch.autograd.Function):
-    """``_chunked``'s algorithm on Triton (``intra_forward_op``, ``state_scan_op``, ``output_forward_op``) and its
-    backward written out (the torch path's autograd graph is its specification). Per head and chunk, with ``cum``
-    the cumulative log decay: ``y = y_intra + exp(cum) * (C states^T)``, ``states`` the scan over chunks of the
-    intra-chunk kernel's ``local`` and ``decay``. Inputs fp32: x (x * dt) ``[H, NC, C, P]``, a (dt * A)
-    ``[H, NC, C]``, B and C ``[G, NC, C, N]``, first ``[NC]``; returns y ``[H, NC, C, P]``."""
+# ---- the tokens into the chunk layout's slots and back, on Triton ----------------------------------------------
+
+
+@custom_op("fastft::ssd_pack_forward")
+def pack_forward_op(
+    x: torch.Tensor, step: torch.Tensor, A: torch.Tensor, token_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.ssd.pack_forward``: (x_dt, a) fp32, not differentiable."""
+    from .kernels import ssd as kernels
+
+    return kernels.pack_forward(x, step, A, token_index)
+
+
+@pack_forward_op.register_fake
+def _(x, step, A, token_index):
+    h, p = x.shape[1:]
+    nc, cs = token_index.shape
+    return x.new_empty(h, nc, cs, p, dtype=torch.float32), x.new_empty(h, nc, cs, dtype=torch.float32)
+
+
+@custom_op("fastft::ssd_pack_backward")
+def pack_backward_op(
+    x: torch.Tensor,
+    step: torch.Tensor,
+    A: torch.Tensor,
+    slot: torch.Tensor,
+    dx_dt: torch.Tensor,
+    da: torch.Tensor,
+    dx_skip: Optional[torch.Tensor],  # noqa: UP045  (torch.library.custom_op reads it: Optional spelled out)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.ssd.pack_backward``: (dx in x's dtype, dstep fp32, dA fp32)."""
+    from .kernels import ssd as kernels
+
+    return kernels.pack_backward(x, step, A, slot, dx_dt, da, dx_skip)
+
+
+@pack_backward_op.register_fake
+def _(x, step, A, slot, dx_dt, da, dx_skip):
+    f32 = torch.float32
+    return x.new_empty(x.shape), step.new_empty(step.shape, dtype=f32), A.new_empty(A.shape, dtype=f32)
+
+
+@custom_op("fastft::ssd_unpack_forward")
+def unpack_forward_op(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    slot: torch.Tensor,
+    D: Optional[torch.Tensor],  # noqa: UP045
+    z: Optional[torch.Tensor],  # noqa: UP045
+) -> torch.Tensor:
+    """``kernels.ssd.unpack_forward``: the output in x's dtype, not differentiable."""
+    from .kernels import ssd as kernels
+
+    return kernels.unpack_forward(y, x, slot, D, z)
+
+
+@unpack_forward_op.register_fake
+def _(y, x, slot, D, z):
+    return x.new_empty(x.shape)
+
+
+@custom_op("fastft::ssd_unpack_backward")
+def unpack_backward_op(
+    dout: torch.Tensor,
+    y: Optional[torch.Tensor],  # noqa: UP045
+    x: torch.Tensor,
+    token_index: torch.Tensor,
+    D: Optional[torch.Tensor],  # noqa: UP045
+    z: Optional[torch.Tensor],  # noqa: UP045
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.ssd.unpack_backward``: (dy fp32, D's share of dx fp32, dD fp32, dz in z's dtype); without D the
+    second and third, without z the fourth, empty."""
+    from .kernels import ssd as kernels
+
+    return kernels.unpack_backward(dout, y, x, token_index, D, z)
+
+
+@unpack_backward_op.register_fake
+def _(dout, y, x, token_index, D, z):
+    f32 = torch.float32
+    h, p = x.shape[1:]
+    nc, cs = token_index.shape
+    return (
+        x.new_empty(h, nc, cs, p, dtype=f32),
+        x.new_empty(x.shape if D is not None else (0,), dtype=f32),
+        x.new_empty(D.shape if D is not None else (0,), dtype=f32),
+        x.new_empty(z.shape, dtype=z.dtype) if z is not None else x.new_empty(0, dtype=f32),
+    )
+
+
+# ---- the op's Triton path --------------------------------------------------------------------------------------
+
+
+def _on_triton(x, step, A, B, C, D, z, table: ChunkTable) -> torch.Tensor:
+    """``packed_ssd_scan``'s output ``[N, H, P]`` in x's dtype on Triton, for x ``[N, H, P]``, the discretized
+    step ``[N, H]`` fp32, z ``[N, H, P]`` or None and the op's other arguments (B and C ``[B, T, G, N]``)."""
+    n = x.shape[0]
+    g, state_size = B.shape[-2:]
+    b, c = (_slots(v.reshape(n, g, state_size).float(), table) for v in (B, C))  # [G, NC, C, N]
+    D = None if D is None else D.float()
+    return _TritonScan.apply(x, step, A.float(), b, c, D, z, table.token_index, table.slot, table.first)
+
+
+class _TritonScan(torch.autograd.Function):
+    """``packed_ssd_scan``'s math on Triton, its backward written out (the torch path's autograd graph is its
+    specification): the tokens into the chunk layout's slots (``pack_forward_op``: ``x * step`` and ``step * A``),
+    the chunked algorithm (``_chunks_forward``), the slots back to the tokens with the skip and the gate
+    (``unpack_forward_op``). x's gradient is summed in fp32 over its two uses (``x * step`` and ``D * x``) and
+    rounded once to x's dtype. Inputs: x ``[N, H, P]`` and z (or None) in their dtypes, step ``[N, H]``, A ``[H]``,
+    B and C ``[G, NC, C, N]``, D (or None) fp32, the chunk table's token_index, slot and first."""
 
     @staticmethod
-    def forward(ctx, x, a, b, c, first):
-        h, nc, _, p = x.shape
-        n = b.shape[-1]
-        y, local, decay = intra_forward_op(x, a, b, c)
-        states = state_scan_op(local.view(h, nc, p * n), decay, first)
-        ctx.save_for_backward(x, a, b, c, first, decay, states)
-        return output_forward_op(y, a, c, states.view(h, nc, p, n))
+    def forward(ctx, x, step, A, b, c, D, z, token_index, slot, first):
+        x_dt, a = pack_forward_op(x, step, A, token_index)
+        y, decay, states = _chunks_forward(x_dt, a, b, c, first)
+        keep = y if z is not None else None  # dz reads the output before the gate
+        ctx.save_for_backward(x, step, A, b, c, D, z, token_index, slot, first, x_dt, a, decay, states, keep)
+        return unpack_forward_op(y, x, slot, D, z)
 
     @staticmethod
-    def backward(ctx, dy):
-        with torch.autocast(dy.device.type, enabled=False):  # fp32, as the forward (autocast is off there)
-            return _TritonChunks._backward(ctx, dy.float())
+    def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):  # fp32, as the forward (autocast is off there)
+            x, step, A, b, c, D, z, token_index, slot, first, x_dt, a, decay, states, y = ctx.saved_tensors
+            dy, dx_skip, dD, dz = unpack_backward_op(dout, y, x, token_index, D, z)
+            dx_dt, da, db, dc = _chunks_backward(x_dt, a, b, c, first, decay, states, dy)
+            dx, dstep, dA = pack_backward_op(x, step, A, slot, dx_dt, da, None if D is None else dx_skip)
+        return dx, dstep, dA, db, dc, None if D is None else dD, None if z is None else dz, None, None, None
 
-    @staticmethod
-    def _backward(ctx, dy):
-        x, a, b, c, first, decay, states = ctx.saved_tensors
-        h, nc, _, p = x.shape
-        n = b.shape[-1]
-        dy = dy.contiguous()
-        dcum, dstates, dc_off = output_backward_op(dy, a, c, states.view(h, nc, p, n))
-        dlocal, ddecay = state_scan_backward_op.op(decay, first, states, dstates.view(h, nc, p * n))
-        dx, db, dc, da = intra_backward_op(x, a, b, c, dy, dlocal.view(h, nc, p, n), ddecay, dcum)
-        return dx, da, db, dc + dc_off, None
+
+def _chunks_forward(x, a, b, c, first):
+    """``_chunked``'s algorithm on Triton (``intra_forward_op``, ``state_scan_op``, ``output_forward_op``): per head
+    and chunk, with ``cum`` the cumulative log decay, ``y = y_intra + exp(cum) * (C states^T)``, ``states`` the scan
+    over chunks of the intra-chunk kernel's ``local`` and ``decay``. Inputs fp32: x (x * dt) ``[H, NC, C, P]``, a
+    (dt * A) ``[H, NC, C]``, B and C ``[G, NC, C, N]``, first ``[NC]``; returns (y ``[H, NC, C, P]``, decay, states)
+    (the last two for ``_chunks_backward``)."""
+    h, nc, _, p = x.shape
+    n = b.shape[-1]
+    y, local, decay = intra_forward_op(x, a, b, c)
+    states = state_scan_op(local.view(h, nc, p * n), decay, first)
+    return output_forward_op(y, a, c, states.view(h, nc, p, n)), decay, states
+
+
+def _chunks_backward(x, a, b, c, first, decay, states, dy):
+    """``_chunks_forward``'s backward: (dx, da, db, dc) fp32 from its inputs, decay and states and y's gradient."""
+    h, nc, _, p = x.shape
+    n = b.shape[-1]
+    dy = dy.contiguous()
+    dcum, dstates, dc_off = output_backward_op(dy, a, c, states.view(h, nc, p, n))
+    dlocal, ddecay = state_scan_backward_op.op(decay, first, states, dstates.view(h, nc, p * n))
+    dx, db, dc, da = intra_backward_op(x, a, b, c, dy, dlocal.view(h, nc, p, n), ddecay, dcum)
+    return dx, da, db, dc + dc_off

@@ -28,7 +28,15 @@ backward: ``dstates = (dy * exp(cum))^T C`` a program per head's chunk; C's grad
 summed over the group's heads, and cum's, a program per group's chunk, slice of its heads and block of the
 state's columns (partial sums over slices and blocks added after, no atomics).
 
-fp32 throughout; the intra-chunk products on tensor cores in 3xTF32 where the GPU has them (sm80 on).
+``pack_forward`` / ``unpack_forward`` move the tokens into the chunk layout's slots and back (the layout of
+``fastft.delta_rule.ChunkTable``: ``token_index`` gives each slot's token, ``slot`` each token's slot): x in its
+own dtype times the step (and ``step * A``) into the slots, 0 in the empty ones; the output back to the tokens
+with the skip ``D x`` and the gate ``silu(z)`` applied, in x's dtype; and their backwards. ``pack_forward`` and
+``unpack_backward`` walk the slots (the empty ones get their zeros there), ``pack_backward`` and
+``unpack_forward`` the tokens; a program owns a block of rows of one head, its share of the sums over tokens
+(dA, dD) added after (no atomics).
+
+fp32 math throughout; the intra-chunk products on tensor cores in 3xTF32 where the GPU has them (sm80 on).
 """
 
 from __future__ import annotations
@@ -715,3 +723,445 @@ def output_backward(
         dstates,
         dc.sum(2) if slices > 1 else dc.view(g, nc, cs, n),
     )
+
+
+# ---- the tokens into the chunk layout's slots and back ------------------------------------------------------
+
+# Rows (tokens or slots) of one head per program, 16 to 64: about 2048 elements in each [rows, P] tile (8 KB in
+# fp32; the backward of the gate holds several tiles and their 64-bit offsets at once).
+_TILE = 2048
+
+
+def _rows(p_block: int) -> int:
+    return max(16, min(64, _TILE // p_block))
+
+
+@triton.jit
+def _pack_forward_kernel(
+    x_ptr,
+    step_ptr,
+    A_ptr,
+    index_ptr,
+    xdt_ptr,
+    a_ptr,
+    N,
+    S,
+    H,
+    P,
+    stride_xt,
+    stride_xh,
+    BS: tl.constexpr,
+    BP: tl.constexpr,
+):
+    """A block of one head's slots: ``x_dt = x * step`` and ``a = step * A`` of each slot's token, 0 where empty."""
+    i_s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    os, op = i_s * BS + tl.arange(0, BS), tl.arange(0, BP)
+    ms, mp = os < S, op < P
+    tok = tl.load(index_ptr + os, mask=ms, other=N)
+    full = tok < N
+    step = tl.load(step_ptr + tok * H + h, mask=full, other=0.0)
+    x = tl.load(
+        x_ptr + tok[:, None] * stride_xt + h * stride_xh + op[None, :], mask=full[:, None] & mp[None, :], other=0.0
+    ).to(tl.float32)
+    tl.store(xdt_ptr + (h * S + os)[:, None] * P + op[None, :], x * step[:, None], mask=ms[:, None] & mp[None, :])
+    tl.store(a_ptr + h * S + os, tl.where(full, step * tl.load(A_ptr + h), 0.0), mask=ms)
+
+
+@triton.jit
+def _pack_backward_kernel(
+    x_ptr,
+    step_ptr,
+    A_ptr,
+    slot_ptr,
+    dxdt_ptr,
+    da_ptr,
+    dskip_ptr,
+    dx_ptr,
+    dstep_ptr,
+    dA_ptr,
+    N,
+    S,
+    H,
+    P,
+    stride_xt,
+    stride_xh,
+    HAS_SKIP: tl.constexpr,
+    BT: tl.constexpr,
+    BP: tl.constexpr,
+):
+    """A block of one head's tokens: dx (plus the skip's share, fp32, rounded once to x's dtype), dstep, and the
+    block's share of dA."""
+    i_t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    ot, op = i_t * BT + tl.arange(0, BT), tl.arange(0, BP)
+    mt, mp = ot < N, op < P
+    m = mt[:, None] & mp[None, :]
+    slot = tl.load(slot_ptr + ot, mask=mt, other=0)
+    step = tl.load(step_ptr + ot * H + h, mask=mt, other=0.0)
+    dxdt = tl.load(dxdt_ptr + (h * S + slot)[:, None] * P + op[None, :], mask=m, other=0.0)
+    x = tl.load(x_ptr + ot[:, None] * stride_xt + h * stride_xh + op[None, :], mask=m, other=0.0).to(tl.float32)
+    dx = dxdt * step[:, None]
+    tp = (ot[:, None] * H + h) * P + op[None, :]  # [N, H, P] contiguous
+    if HAS_SKIP:
+        dx += tl.load(dskip_ptr + tp, mask=m, other=0.0)
+    tl.store(dx_ptr + tp, dx.to(dx_ptr.dtype.element_ty), mask=m)
+    da = tl.load(da_ptr + h * S + slot, mask=mt, other=0.0)
+    tl.store(dstep_ptr + ot * H + h, tl.sum(dxdt * x, 1) + da * tl.load(A_ptr + h), mask=mt)
+    tl.store(dA_ptr + i_t * H + h, tl.sum(da * step, 0))
+
+
+@triton.jit
+def _unpack_forward_kernel(
+    y_ptr,
+    x_ptr,
+    slot_ptr,
+    D_ptr,
+    z_ptr,
+    out_ptr,
+    N,
+    S,
+    H,
+    P,
+    stride_xt,
+    stride_xh,
+    stride_zt,
+    stride_zh,
+    HAS_D: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    BT: tl.constexpr,
+    BP: tl.constexpr,
+):
+    """A block of one head's tokens: ``(y[slot] + D x) * silu(z)`` in out's dtype."""
+    i_t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    ot, op = i_t * BT + tl.arange(0, BT), tl.arange(0, BP)
+    mt, mp = ot < N, op < P
+    m = mt[:, None] & mp[None, :]
+    slot = tl.load(slot_ptr + ot, mask=mt, other=0)
+    y = tl.load(y_ptr + (h * S + slot)[:, None] * P + op[None, :], mask=m, other=0.0)
+    if HAS_D:
+        x = tl.load(x_ptr + ot[:, None] * stride_xt + h * stride_xh + op[None, :], mask=m, other=0.0).to(tl.float32)
+        if PER_CHANNEL:
+            y += x * tl.load(D_ptr + h * P + op, mask=mp, other=0.0)[None, :]
+        else:
+            y += x * tl.load(D_ptr + h)
+    if HAS_Z:
+        z = tl.load(z_ptr + ot[:, None] * stride_zt + h * stride_zh + op[None, :], mask=m, other=0.0).to(tl.float32)
+        y *= z * tl.sigmoid(z)
+    tl.store(out_ptr + (ot[:, None] * H + h) * P + op[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _unpack_backward_kernel(
+    dout_ptr,
+    y_ptr,
+    x_ptr,
+    index_ptr,
+    D_ptr,
+    z_ptr,
+    dy_ptr,
+    dskip_ptr,
+    dD_ptr,
+    dz_ptr,
+    N,
+    S,
+    H,
+    P,
+    stride_ot,
+    stride_oh,
+    stride_xt,
+    stride_xh,
+    stride_zt,
+    stride_zh,
+    HAS_D: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    BS: tl.constexpr,
+    BP: tl.constexpr,
+):
+    """A block of one head's slots, with ``g = dout * silu(z)`` of each slot's token: ``dy = g`` (0 where empty)
+    and, for the slot's token, D's share of dx ``g D`` (fp32), ``dz = dout (y + D x) silu'(z)``, and the block's
+    share of dD ``sum g x`` (per channel)."""
+    i_s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    os, op = i_s * BS + tl.arange(0, BS), tl.arange(0, BP)
+    ms, mp = os < S, op < P
+    tok = tl.load(index_ptr + os, mask=ms, other=N)
+    m = (tok < N)[:, None] & mp[None, :]
+    g = tl.load(dout_ptr + tok[:, None] * stride_ot + h * stride_oh + op[None, :], mask=m, other=0.0).to(tl.float32)
+    sp = (h * S + os)[:, None] * P + op[None, :]  # [H, S, P]
+    tp = (tok[:, None] * H + h) * P + op[None, :]  # [N, H, P] contiguous
+    if HAS_D:
+        x = tl.load(x_ptr + tok[:, None] * stride_xt + h * stride_xh + op[None, :], mask=m, other=0.0).to(tl.float32)
+        if PER_CHANNEL:
+            d = tl.load(D_ptr + h * P + op, mask=mp, other=0.0)[None, :]
+        else:
+            d = tl.load(D_ptr + h)
+    if HAS_Z:
+        z = tl.load(z_ptr + tok[:, None] * stride_zt + h * stride_zh + op[None, :], mask=m, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(z)
+        pre = tl.load(y_ptr + sp, mask=m, other=0.0)  # the output before the gate
+        if HAS_D:
+            pre += x * d
+        tl.store(dz_ptr + tp, (g * pre * sig * (1 + z * (1 - sig))).to(dz_ptr.dtype.element_ty), mask=m)
+        g *= z * sig
+    tl.store(dy_ptr + sp, g, mask=ms[:, None] & mp[None, :])
+    if HAS_D:
+        tl.store(dskip_ptr + tp, g * d, mask=m)
+        tl.store(dD_ptr + (i_s * H + h) * P + op, tl.sum(g * x, 0), mask=mp)
+
+
+def _unit_inner(v: torch.Tensor) -> torch.Tensor:
+    """``v`` with unit stride along its last dimension (the kernels take the others as strides)."""
+    return v if v.stride(-1) == 1 else v.contiguous()
+
+
+def _check_tokens(x: torch.Tensor, step: torch.Tensor | None = None, A: torch.Tensor | None = None) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"x must be [N, H, P], got shape {tuple(x.shape)}")
+    n, h, _ = x.shape
+    if step is not None and step.shape != (n, h):
+        raise ValueError(f"step must be [N, H] = {(n, h)}, got {tuple(step.shape)}")
+    if A is not None and A.shape != (h,):
+        raise ValueError(f"A must be [H] = {(h,)}, got {tuple(A.shape)}")
+
+
+def _check_slots(name: str, v: torch.Tensor, x: torch.Tensor) -> None:
+    h, p = x.shape[1:]
+    if v.dim() != 4 or v.shape[0] != h or v.shape[3] != p:
+        raise ValueError(f"{name} must be [H, NC, C, P] with x's H, P = {(h, p)}, got {tuple(v.shape)}")
+
+
+def _check_skip(x: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None) -> None:
+    h, p = x.shape[1:]
+    if D is not None and tuple(D.shape) not in ((h,), (h, p)):
+        raise ValueError(f"D must be [H] = {(h,)} or [H, P] = {(h, p)}, got {tuple(D.shape)}")
+    if z is not None and z.shape != x.shape:
+        raise ValueError(f"z must be x's shape {tuple(x.shape)}, got {tuple(z.shape)}")
+
+
+def pack_forward(
+    x: torch.Tensor, step: torch.Tensor, A: torch.Tensor, token_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens into the chunk layout's slots (``fastft.delta_rule.ChunkTable``): for x ``[N, H, P]`` (any
+    floating dtype, read as is), the discretized step ``[N, H]``, A ``[H]`` and ``token_index`` ``[NC, C]`` (each
+    slot's token, N where empty), fp32 (x_dt ``[H, NC, C, P]`` = ``x * step``, a ``[H, NC, C]`` = ``step * A``)
+    of each slot's token, 0 in the empty slots."""
+    _check_tokens(x, step, A)
+    if token_index.dim() != 2:
+        raise ValueError(f"token_index must be [NC, C], got shape {tuple(token_index.shape)}")
+    n, h, p = x.shape
+    nc, cs = token_index.shape
+    x = _unit_inner(x)
+    x_dt = x.new_empty(h, nc, cs, p, dtype=torch.float32)
+    a = x.new_empty(h, nc, cs, dtype=torch.float32)
+    if h * nc * cs == 0:
+        return x_dt, a
+    bp = next_power_of_2(p)
+    bs = _rows(bp)
+    launch(
+        _pack_forward_kernel,
+        (cdiv(nc * cs, bs), h),
+        x,
+        step.float().contiguous(),
+        A.float().contiguous(),
+        token_index.contiguous(),
+        x_dt,
+        a,
+        n,
+        nc * cs,
+        h,
+        p,
+        x.stride(0),
+        x.stride(1),
+        BS=bs,
+        BP=bp,
+        num_warps=4,
+    )
+    return x_dt, a
+
+
+def pack_backward(
+    x: torch.Tensor,
+    step: torch.Tensor,
+    A: torch.Tensor,
+    slot: torch.Tensor,
+    dx_dt: torch.Tensor,
+    da: torch.Tensor,
+    dx_skip: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack_forward``'s backward, with ``slot`` ``[N]`` (each token's slot, chunk * C + j): from the slots'
+    gradients dx_dt ``[H, NC, C, P]`` and da ``[H, NC, C]``, (dx ``[N, H, P]`` in x's dtype, dstep ``[N, H]``
+    fp32, dA ``[H]`` fp32). ``dx_skip`` (fp32 ``[N, H, P]`` or None): x's gradient from elsewhere, added to dx
+    before the one rounding to x's dtype."""
+    _check_tokens(x, step, A)
+    _check_slots("dx_dt", dx_dt, x)
+    n, h, p = x.shape
+    nc, cs = dx_dt.shape[1:3]
+    if slot.shape != (n,):
+        raise ValueError(f"slot must be [N] = {(n,)}, got {tuple(slot.shape)}")
+    if da.shape != dx_dt.shape[:3]:
+        raise ValueError(f"da must be [H, NC, C] = {tuple(dx_dt.shape[:3])}, got {tuple(da.shape)}")
+    if dx_skip is not None and dx_skip.shape != x.shape:
+        raise ValueError(f"dx_skip must be x's shape {tuple(x.shape)}, got {tuple(dx_skip.shape)}")
+    x = _unit_inner(x)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dstep = x.new_empty(n, h, dtype=torch.float32)
+    if n * h == 0:
+        return dx, dstep, x.new_zeros(h, dtype=torch.float32)
+    bp = next_power_of_2(p)
+    bt = _rows(bp)
+    blocks = cdiv(n, bt)
+    dA = x.new_empty(blocks, h, dtype=torch.float32)
+    step = step.float().contiguous()
+    launch(
+        _pack_backward_kernel,
+        (blocks, h),
+        x,
+        step,
+        A.float().contiguous(),
+        slot.contiguous(),
+        dx_dt.float().contiguous(),
+        da.float().contiguous(),
+        step if dx_skip is None else dx_skip.float().contiguous(),
+        dx,
+        dstep,
+        dA,
+        n,
+        nc * cs,
+        h,
+        p,
+        x.stride(0),
+        x.stride(1),
+        HAS_SKIP=dx_skip is not None,
+        BT=bt,
+        BP=bp,
+        num_warps=4,
+    )
+    return dx, dstep, dA.sum(0)
+
+
+def unpack_forward(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    slot: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The slots back to the tokens, with the skip and the gate: out ``[N, H, P]`` in x's dtype = ``(y[slot] +
+    D x) * silu(z)`` in fp32, for y ``[H, NC, C, P]`` (the scan's output per slot), x ``[N, H, P]``, ``slot``
+    ``[N]`` (each token's slot, chunk * C + j), D ``[H]`` or ``[H, P]`` or None, z like x or None."""
+    _check_tokens(x)
+    _check_slots("y", y, x)
+    _check_skip(x, D, z)
+    n, h, p = x.shape
+    if slot.shape != (n,):
+        raise ValueError(f"slot must be [N] = {(n,)}, got {tuple(slot.shape)}")
+    x = _unit_inner(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if n * h == 0:
+        return out
+    gate = x if z is None else _unit_inner(z)  # x stands in for an absent z (not read)
+    bp = next_power_of_2(p)
+    bt = _rows(bp)
+    launch(
+        _unpack_forward_kernel,
+        (cdiv(n, bt), h),
+        y.float().contiguous(),
+        x,
+        slot.contiguous(),
+        y if D is None else D.float().contiguous(),
+        gate,
+        out,
+        n,
+        y.shape[1] * y.shape[2],
+        h,
+        p,
+        x.stride(0),
+        x.stride(1),
+        gate.stride(0),
+        gate.stride(1),
+        HAS_D=D is not None,
+        PER_CHANNEL=D is not None and D.dim() == 2,
+        HAS_Z=z is not None,
+        BT=bt,
+        BP=bp,
+        num_warps=4,
+    )
+    return out
+
+
+def unpack_backward(
+    dout: torch.Tensor,
+    y: torch.Tensor | None,
+    x: torch.Tensor,
+    token_index: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``unpack_forward``'s backward, with ``token_index`` ``[NC, C]`` (each slot's token, N where empty): from
+    out's gradient dout ``[N, H, P]``, (dy ``[H, NC, C, P]`` fp32, 0 in the empty slots; D's share of x's
+    gradient ``dout * silu(z) * D`` ``[N, H, P]`` fp32; dD in D's shape, fp32; dz in z's dtype). Without D the
+    second and third, without z the fourth, are empty (0 elements). ``y``: ``unpack_forward``'s, read for dz
+    only (None without z)."""
+    _check_tokens(x)
+    _check_skip(x, D, z)
+    if dout.shape != x.shape:
+        raise ValueError(f"dout must be x's shape {tuple(x.shape)}, got {tuple(dout.shape)}")
+    if token_index.dim() != 2:
+        raise ValueError(f"token_index must be [NC, C], got shape {tuple(token_index.shape)}")
+    n, h, p = x.shape
+    nc, cs = token_index.shape
+    if z is not None:
+        if y is None:
+            raise ValueError("y must be given with z (dz reads it)")
+        _check_slots("y", y, x)
+        if y.shape[1:3] != (nc, cs):
+            raise ValueError(f"y must be [H, NC, C, P] with token_index's [NC, C] = {(nc, cs)}, got {tuple(y.shape)}")
+    x, dout = _unit_inner(x), _unit_inner(dout)
+    f32 = torch.float32
+    dy = x.new_empty(h, nc, cs, p, dtype=f32)
+    dx = x.new_empty(x.shape if D is not None else (0,), dtype=f32)
+    dz = x.new_empty(x.shape if z is not None else (0,), dtype=f32 if z is None else z.dtype)
+    bp = next_power_of_2(p)
+    bs = _rows(bp)
+    blocks = cdiv(nc * cs, bs)
+    dD = x.new_empty((blocks, h, p) if D is not None else (0,), dtype=f32)
+    if h * nc * cs == 0:
+        return dy, dx, x.new_zeros(D.shape if D is not None else (0,), dtype=f32), dz
+    gate = x if z is None else _unit_inner(z)  # x stands in for an absent z (not read)
+    launch(
+        _unpack_backward_kernel,
+        (blocks, h),
+        dout,
+        dy if y is None else y.float().contiguous(),  # dy stands in for y without z (not read)
+        x,
+        token_index.contiguous(),
+        dy if D is None else D.float().contiguous(),
+        gate,
+        dy,
+        dx,
+        dD,
+        dz,
+        n,
+        nc * cs,
+        h,
+        p,
+        dout.stride(0),
+        dout.stride(1),
+        x.stride(0),
+        x.stride(1),
+        gate.stride(0),
+        gate.stride(1),
+        HAS_D=D is not None,
+        PER_CHANNEL=D is not None and D.dim() == 2,
+        HAS_Z=z is not None,
+        BS=bs,
+        BP=bp,
+        num_warps=4,
+    )
+    if D is not None:
+        dD = dD.sum(0) if D.dim() == 2 else dD.sum((0, 2))
+    return dy, dx, dD, dz

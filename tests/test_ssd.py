@@ -1,5 +1,6 @@
 """fastft.ssd: the Triton scan over chunks against the torch loop (forward and every gradient, both decay
-shapes); the op on both backends against the token-by-token reference (forward and every gradient, fp32); the
+shapes); the intra-chunk, output and glue kernels (the tokens into the slots and back) against their torch
+formulas; the op on both backends against the token-by-token reference (forward and every gradient, fp32); the
 reference and the op against transformers' own Mamba-2 scan on each document run alone; the public entry's
 validation and backend choice."""
 
@@ -8,11 +9,13 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
 import fastft
 from fastft import dispatch, testing
+from fastft.delta_rule import chunk_table
 from fastft.reference import ssd as reference
 from fastft.ssd import (
     OP_SCAN,
@@ -20,10 +23,14 @@ from fastft.ssd import (
     intra_forward_op,
     output_backward_op,
     output_forward_op,
+    pack_backward_op,
+    pack_forward_op,
     packed_ssd_scan,
     scan_states,
     state_scan_backward_op,
     state_scan_op,
+    unpack_backward_op,
+    unpack_forward_op,
 )
 
 # fp32 against the fp64 reference: max |fast - reference| <= RTOL * max |reference| + ATOL, for the output and
@@ -366,7 +373,7 @@ def test_intra_ops_pass_opcheck(device, rng):
 
 
 def output_torch(y, a, cm, states, dy):
-    """The output's share from each chunk's entering state as ``_TritonChunks`` computed it in torch: the output
+    """The output's share from each chunk's entering state as the Triton path computed it in torch: the output
     and, for its gradient dy, (dcum, dstates, dc)."""
     h, nc, c, p = y.shape
     g, n = cm.shape[0], cm.shape[-1]
@@ -414,6 +421,150 @@ def test_output_ops_pass_opcheck(device, rng):
     cm, states = torch.randn(2, nc, c, n, generator=rng).to(device), torch.randn(h, nc, p, n, generator=rng).to(device)
     torch.library.opcheck(output_forward_op.op, (y, a, cm, states))
     torch.library.opcheck(output_backward_op.op, (dy, a, cm, states))
+
+
+# ---- the tokens into the slots and back (the Triton path's glue) against the torch path's ------------------------
+
+
+def glue_inputs(g, lengths, c, h, p, dtype, device):
+    """The chunk table of documents that leave slots empty, x ``[N, H, P]`` in ``dtype`` as a strided view (heads
+    and tokens further apart than P), the discretized step ``[N, H]`` and A ``[H]``."""
+    table = chunk_table(fastft.packed_seq_info(seq_lengths=lengths, device=device), c)
+    n = sum(lengths)
+    x = torch.randn(n, h, p + 3, generator=g).to(device, dtype)[..., :p]
+    step = torch.rand(n, h, generator=g).to(device) * 2
+    A = -(torch.rand(h, generator=g) * 1.9 + 0.1)
+    return table, x, step, A.to(device)
+
+
+def slots_torch(v, table):
+    """``[N, K, D]`` -> ``[K, NC, C, D]``, zeros in the empty slots: the torch path's gather."""
+    nc, c = table.token_index.shape
+    slots = v.new_zeros(v.shape[1], nc * c, v.shape[-1])
+    return slots.index_copy(1, table.slot, v.transpose(0, 1)).view(v.shape[1], nc, c, -1)
+
+
+def assert_rounded_close(actual, expected, what):
+    """``actual`` (in its dtype) against the fp32 ``expected`` rounded once to that dtype."""
+    assert actual.dtype == expected.dtype or expected.dtype == torch.float32, what
+    if actual.dtype == torch.float32:
+        assert_close_to(actual, expected, what)
+    else:
+        torch.testing.assert_close(actual, expected.to(actual.dtype), msg=what)
+
+
+GLUE_LENGTHS = ([37, 1, 20, 13], 8)  # 71 tokens in 11 chunks of 8: 17 empty slots, two blocks of rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("skip", [False, True])
+def test_pack_kernels_match_torch(device, rng, dtype, skip):
+    """x * step and step * A into the slots (0 in the empty ones) and their backward (dx with another fp32 share
+    added before the one rounding to x's dtype), against the torch path's gather and its autograd."""
+    from fastft.kernels import ssd as kernels
+
+    lengths, c = GLUE_LENGTHS
+    h, p = 3, 5
+    table, x, step, A = glue_inputs(rng, lengths, c, h, p, dtype, device)
+    xf, step, A = (v.float().requires_grad_() for v in (x, step, A))
+    want = (slots_torch(xf * step[..., None], table), slots_torch((step * A)[..., None], table).squeeze(-1))
+    got = kernels.pack_forward(x, step.detach(), A.detach(), table.token_index)
+    for name, u, e in zip(("x_dt", "a"), got, want):
+        assert u.shape == e.shape and u.dtype == torch.float32, name
+        assert_close_to(u, e, name)
+    dxdt, da = (torch.randn(v.shape, generator=rng).to(device) for v in want)  # nonzero in the empty slots too
+    dskip = torch.randn(x.shape, generator=rng).to(device) if skip else None
+    want = list(torch.autograd.grad(want, (xf, step, A), (dxdt, da)))
+    if skip:
+        want[0] = want[0] + dskip
+    got = kernels.pack_backward(x, step.detach(), A.detach(), table.slot, dxdt, da, dskip)
+    assert got[0].dtype == dtype and got[1].dtype == got[2].dtype == torch.float32
+    for name, u, e in zip(("dx", "dstep", "dA"), got, want):
+        assert u.shape == e.shape, name
+        assert_rounded_close(u, e, name)
+
+
+def unpack_torch(y, x, slot, D, z):
+    """The torch path's glue after the scan: ``(y[slot] + D x) * silu(z)`` in fp32, rounded to x's dtype."""
+    h, p = x.shape[1:]
+    out = y.reshape(h, -1, p).transpose(0, 1).index_select(0, slot)
+    if D is not None:
+        out = out + x * (D[:, None] if D.dim() == 1 else D)
+    if z is not None:
+        out = out * F.silu(z)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("skip", [None, "head", "channel"])
+@pytest.mark.parametrize("gate", [False, True])
+def test_unpack_kernels_match_torch(device, rng, dtype, skip, gate):
+    """The slots back to the tokens with D ([H], [H, P] or None) and the gate z (or None), and the backward: y's
+    gradient in the slots (0 in the empty ones), D's share of x's gradient (fp32), dD and dz, against the torch
+    path's glue and its autograd."""
+    from fastft.kernels import ssd as kernels
+
+    lengths, c = GLUE_LENGTHS
+    h, p = 3, 5
+    table, x, *_ = glue_inputs(rng, lengths, c, h, p, dtype, device)
+    n, nc = x.shape[0], table.num_chunks_bound
+    y = torch.randn(h, nc, c, p, generator=rng).to(device)
+    D = {None: None, "head": torch.randn(h, generator=rng), "channel": torch.randn(h, p, generator=rng)}[skip]
+    D = None if D is None else D.to(device)
+    z = torch.randn(n, h, p + 1, generator=rng).to(device, dtype)[..., :p] if gate else None
+    inputs = [v if v is None else v.float().requires_grad_() for v in (y, x, D, z)]
+    want = unpack_torch(*inputs[:2], table.slot, *inputs[2:])
+    got = kernels.unpack_forward(y, x, table.slot, D, z)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert_rounded_close(got, want, "out")
+
+    dout = torch.randn(n, h, p + 2, generator=rng).to(device, dtype)[..., :p]
+    used = [v for v in inputs if v is not None]
+    grads = iter(torch.autograd.grad(want, used, dout.float(), allow_unused=True))
+    want = [None if v is None else next(grads) for v in inputs]  # x's: None without D (read for the skip only)
+    got = kernels.unpack_backward(dout, y if gate else None, x, table.token_index, D, z)
+    assert (got[0].view(h, -1, p)[:, table.token_index.view(-1) == n] == 0).all()  # the empty slots
+    for name, u, e, kind in zip(("dy", "dx", "dD", "dz"), got, want, (torch.float32,) * 3 + (dtype,)):
+        if e is None:
+            assert u.numel() == 0, name
+            continue
+        assert u.shape == e.shape and u.dtype == kind, name
+        assert_rounded_close(u, e, name)
+
+
+def test_glue_ops_pass_opcheck(device, rng):
+    table, x, step, A = glue_inputs(rng, [5, 2], 4, 2, 3, torch.bfloat16, device)
+    n, h, p = x.shape
+    x = x.contiguous()
+    torch.library.opcheck(pack_forward_op.op, (x, step, A, table.token_index))
+    x_dt, a = pack_forward_op(x, step, A, table.token_index)
+    dskip = torch.randn(x.shape, generator=rng).to(device)
+    for skip in (None, dskip):
+        torch.library.opcheck(pack_backward_op.op, (x, step, A, table.slot, torch.randn_like(x_dt), a, skip))
+    z = torch.randn(x.shape, generator=rng).to(device, x.dtype)
+    for D, gate in ((torch.randn(h, generator=rng).to(device), z), (None, None)):
+        torch.library.opcheck(unpack_forward_op.op, (x_dt, x, table.slot, D, gate))
+        dout = torch.randn(x.shape, generator=rng).to(device, x.dtype)
+        torch.library.opcheck(unpack_backward_op.op, (dout, x_dt, x, table.token_index, D, gate))
+
+
+def test_glue_kernels_refuse_mismatched_shapes(device, rng):
+    from fastft.kernels import ssd as kernels
+
+    table, x, step, A = glue_inputs(rng, [5, 2], 4, 2, 3, torch.float32, device)
+    with pytest.raises(ValueError, match=r"step must be \[N, H\]"):
+        kernels.pack_forward(x, step[:, :1], A, table.token_index)
+    with pytest.raises(ValueError, match=r"A must be \[H\]"):
+        kernels.pack_forward(x, step, A[:1], table.token_index)
+    x_dt, a = kernels.pack_forward(x, step, A, table.token_index)
+    with pytest.raises(ValueError, match=r"da must be \[H, NC, C\]"):
+        kernels.pack_backward(x, step, A, table.slot, x_dt, a[:, :1])
+    with pytest.raises(ValueError, match=r"y must be \[H, NC, C, P\]"):
+        kernels.unpack_forward(x_dt[..., :2], x, table.slot)
+    with pytest.raises(ValueError, match=r"D must be \[H\]"):
+        kernels.unpack_forward(x_dt, x, table.slot, D=torch.zeros(3, device=device))
+    with pytest.raises(ValueError, match="y must be given with z"):
+        kernels.unpack_backward(x, None, x, table.token_index, None, x)
 
 
 # ---- transformers' implementation, one document at a time -------------------------------------------------
