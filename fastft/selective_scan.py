@@ -9,16 +9,19 @@ The scan runs chunk-parallel on the chunk layout of ``fastft.delta_rule.chunk_ta
 documents): the state each chunk leaves from a zero entering state, then the entering states carried over the
 chunks (zeroed where a chunk starts a document: ``fastft.ssd``'s scan over chunks, with a decay per element of
 the ``[Dm, N]`` state), then each chunk again from its entering state, giving the outputs. Backends: ``triton``
-(``selective_scan_op``, ``kernels/selective_scan.py``: three kernels forward, three backward, the backward
-rerunning the first two steps rather than keeping their ``[chunks, Dm, N]`` results) and ``torch`` (the same
-steps with a Python loop over the positions in a chunk, all chunks at once, and autograd for the backward: it
-keeps every token's ``[Dm, N]`` state for the backward, as transformers' own path does).
+(``_TritonScan``: ``kernels/selective_scan.py``'s glue kernels read u, delta and z in their own layout and dtypes
+and write the output once in u's dtype, around ``selective_scan_op``'s three kernels forward and three backward,
+the backward rerunning the first two steps rather than keeping their ``[chunks, Dm, N]`` results) and ``torch``
+(the same steps with a Python loop over the positions in a chunk, all chunks at once, and autograd for the
+backward: it keeps every token's ``[Dm, N]`` state for the backward, as transformers' own path does).
 
 GPU syncs: none when ``info`` came from host lengths / ``cu_seqlens``; from device position ids, the one
 ``PackedSeqInfo`` makes when ``num_seqs`` is first read.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,13 +40,13 @@ __all__ = ["packed_selective_scan"]
 OP = dispatch.register("selective_scan.scan")
 # Launch parameters only; dispatched with the forward.
 OP_BACKWARD = "selective_scan.scan_backward"
-# Keyed by u's elements (T * Dm). Defaults: 64 channels per program; ``tune`` measures Jamba's widths (Dm = 8192,
-# N = 16) at T=8192 and 32768. The interpreter's 16: few programs (each costs the interpreter milliseconds), and
-# tests/test_selective_scan.py's widest inputs span two.
+# Keyed by u's elements (T * Dm). Defaults: ``tune``'s choices on an H200 at Jamba's widths (Dm = 8192, N = 16),
+# T=8192 and 32768: one warp a program, its sums over channels within the warp. The interpreter's 16: few
+# programs (each costs the interpreter milliseconds), and tests/test_selective_scan.py's widest inputs span two.
 autotune.register(
     OP,
     autotune.Tunable(
-        {"BD": 64, "num_warps": 4},
+        {"BD": 32, "num_warps": 1},
         sizes=(8192 * 8192, 32768 * 8192),
         grid={"BD": (16, 32, 64, 128), "num_warps": (1, 2, 4, 8)},
         interpreter={"BD": 16},
@@ -52,7 +55,7 @@ autotune.register(
 autotune.register(
     OP_BACKWARD,
     autotune.Tunable(
-        {"BD": 32, "num_warps": 4, "PROGRAMS_PER_SM": 8},
+        {"BD": 64, "num_warps": 1, "PROGRAMS_PER_SM": 16},
         sizes=(8192 * 8192, 32768 * 8192),
         grid={"BD": (16, 32, 64), "num_warps": (1, 2, 4, 8), "PROGRAMS_PER_SM": (4, 8, 16)},
         interpreter={"BD": 16, "PROGRAMS_PER_SM": 1},
@@ -132,6 +135,12 @@ def packed_selective_scan(
         return u.new_zeros(u.shape)
     table = chunk_table(info, chunk_size)
 
+    if chosen == "triton":
+        with torch.autocast(u.device.type, enabled=False):
+            tables = (table.start, table.length, table.first, table.chunk_size)
+            y = _TritonScan.apply(u, delta, A.float(), B, C, D, z, delta_bias, delta_softplus, *tables)
+        return y.view(b, t, dm).transpose(1, 2)
+
     def tokens(v):  # [B, K, T] -> [B * T, K] fp32
         return v.transpose(1, 2).reshape(b * t, v.shape[1]).float()
 
@@ -141,10 +150,7 @@ def packed_selective_scan(
             step = step + delta_bias.float()
         if delta_softplus:
             step = F.softplus(step)
-        if chosen == "triton":
-            y = selective_scan_op(x, step, A.float(), B, C, table.start, table.length, table.first, table.chunk_size)
-        else:
-            y = _chunked(x, step, A.float(), B, C, table)
+        y = _chunked(x, step, A.float(), B, C, table)
         if D is not None:
             y = y + x * D.float()
         if z is not None:
@@ -284,3 +290,151 @@ def _backward(ctx, dy):
 
 
 selective_scan_op.register_autograd(_backward, setup_context=_setup)
+
+
+# ---- the glue on Triton: u, delta, z in their layout and dtypes <-> the scan's fp32 [tokens, Dm] ---------------
+
+
+@custom_op("fastft::selective_scan_tokens_forward")
+def tokens_forward_op(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    delta_bias: Optional[torch.Tensor],  # noqa: UP045  (torch.library.custom_op reads it: Optional spelled out)
+    delta_softplus: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.selective_scan.tokens_forward``: (x, step) fp32 ``[B * T, Dm]``, not differentiable."""
+    from .kernels import selective_scan as kernels
+
+    return kernels.tokens_forward(u, delta, delta_bias, delta_softplus)
+
+
+@tokens_forward_op.register_fake
+def _(u, delta, delta_bias, delta_softplus):
+    b, dm, t = u.shape
+    return u.new_empty(b * t, dm, dtype=torch.float32), u.new_empty(b * t, dm, dtype=torch.float32)
+
+
+@custom_op("fastft::selective_scan_output_forward")
+def output_forward_op(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    D: Optional[torch.Tensor],  # noqa: UP045
+    z: Optional[torch.Tensor],  # noqa: UP045
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """``kernels.selective_scan.output_forward``: ``(y + D x) * silu(z)`` ``[B * T, Dm]`` in like's dtype, not
+    differentiable."""
+    from .kernels import selective_scan as kernels
+
+    return kernels.output_forward(y, x, D, z, dtype=like.dtype)
+
+
+@output_forward_op.register_fake
+def _(y, x, D, z, like):
+    return x.new_empty(x.shape, dtype=like.dtype)
+
+
+@custom_op("fastft::selective_scan_output_backward")
+def output_backward_op(
+    dout: torch.Tensor,
+    y: Optional[torch.Tensor],  # noqa: UP045
+    x: torch.Tensor,
+    D: Optional[torch.Tensor],  # noqa: UP045
+    z: Optional[torch.Tensor],  # noqa: UP045
+    t: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.selective_scan.output_backward``: (dys fp32, dz in z's dtype, dD fp32); the last two empty
+    without z / D."""
+    from .kernels import selective_scan as kernels
+
+    return kernels.output_backward(dout, y, x, D, z, t)
+
+
+@output_backward_op.register_fake
+def _(dout, y, x, D, z, t):
+    return (
+        x.new_empty(x.shape, dtype=torch.float32),
+        z.new_empty(z.shape) if z is not None else x.new_empty(0),
+        x.new_empty(x.shape[1] if D is not None else 0, dtype=torch.float32),
+    )
+
+
+@custom_op("fastft::selective_scan_tokens_backward")
+def tokens_backward_op(
+    du: torch.Tensor,
+    ddelta: torch.Tensor,
+    dys: torch.Tensor,
+    D: Optional[torch.Tensor],  # noqa: UP045
+    delta: torch.Tensor,
+    delta_bias: Optional[torch.Tensor],  # noqa: UP045
+    delta_softplus: bool,
+    u_like: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.selective_scan.tokens_backward``: (du in u_like's dtype, ddelta in delta's, both ``[B, Dm, T]``;
+    dbias fp32 ``[Dm]``, empty without a bias)."""
+    from .kernels import selective_scan as kernels
+
+    return kernels.tokens_backward(du, ddelta, dys, D, delta, delta_bias, delta_softplus, u_dtype=u_like.dtype)
+
+
+@tokens_backward_op.register_fake
+def _(du, ddelta, dys, D, delta, delta_bias, delta_softplus, u_like):
+    return (
+        delta.new_empty(delta.shape, dtype=u_like.dtype),
+        delta.new_empty(delta.shape),
+        du.new_empty(du.shape[1] if delta_bias is not None else 0, dtype=torch.float32),
+    )
+
+
+class _TritonScan(torch.autograd.Function):
+    """``packed_selective_scan``'s math on Triton, its backward written out (the torch path's autograd graph is
+    its specification): u and delta (with its bias and softplus) into fp32 tokens (``tokens_forward_op``), the
+    chunk-parallel scan (``selective_scan_op``), the skip and the gate back in u's dtype (``output_forward_op``).
+    Its backward reruns ``tokens_forward_op`` rather than keep its fp32 results; with z it keeps the scan's
+    output for z's gradient. Returns ``[B * T, Dm]``."""
+
+    @staticmethod
+    def forward(ctx, u, delta, A, B, C, D, z, bias, softplus, start, length, first, chunk_size):
+        b, dm, t = u.shape
+        x, step = tokens_forward_op(u, delta, bias, softplus)
+        Bt, Ct = _tokens(B), _tokens(C)
+        y = selective_scan_op(x, step, A, Bt, Ct, start, length, first, chunk_size)
+        ctx.save_for_backward(u, delta, A, B, C, D, z, bias, start, length, first, y if z is not None else None)
+        ctx.softplus, ctx.chunk_size = softplus, chunk_size
+        return output_forward_op(y, x, D, z, u)
+
+    @staticmethod
+    def backward(ctx, dout):
+        u, delta, A, B, C, D, z, bias, start, length, first, y = ctx.saved_tensors
+        b, dm, t = u.shape
+        with torch.autocast(dout.device.type, enabled=False):
+            x, step = tokens_forward_op(u, delta, bias, ctx.softplus)
+            dys, dz, dD = output_backward_op(dout.reshape(b * t, dm), y, x, D, z, t)
+            grads = selective_scan_backward_op(x, step, A, _tokens(B), _tokens(C), start, length, first, dys,
+                                               ctx.chunk_size)  # fmt: skip
+            du_s, ddelta_s, dA, dB, dC = grads
+            du, ddelta, dbias = tokens_backward_op(du_s, ddelta_s, dys, D, delta, bias, ctx.softplus, u)
+
+        def channels_first(v, like):  # [B * T, N] -> [B, N, T]
+            return v.view(b, t, -1).transpose(1, 2).to(like.dtype)
+
+        return (
+            du,
+            ddelta,
+            dA,
+            channels_first(dB, B),
+            channels_first(dC, C),
+            None if D is None else dD.to(D.dtype),
+            None if z is None else dz,
+            None if bias is None else dbias.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _tokens(v):
+    """``[B, N, T]`` -> fp32 ``[B * T, N]`` contiguous."""
+    return v.transpose(1, 2).reshape(-1, v.shape[1]).float().contiguous()

@@ -6,6 +6,7 @@ import inspect
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -179,6 +180,106 @@ def test_triton_op_passes_opcheck(device, rng):
     torch.library.opcheck(selective_scan_op.op, (*args, *tables, 2))
     dy = torch.randn(5, 3, generator=rng).to(device)
     torch.library.opcheck(selective_scan_backward_op.op, (*(v.detach() for v in args), *tables, dy, 2))
+
+
+def glue_inputs(rng, b, dm, t, dtype, device):
+    """u, delta, z ``[b, dm, t]`` as channels-last views (as transformers passes them), bias, D."""
+    u, delta, z = (torch.randn(b, t, dm, generator=rng).to(device, dtype).transpose(1, 2) for _ in range(3))
+    bias, D = (torch.randn(dm, generator=rng).to(device) for _ in range(2))
+    return u, delta, z, bias, D
+
+
+def _flat(v):  # [B, K, T] -> fp32 [B * T, K]
+    return v.transpose(1, 2).reshape(-1, v.shape[1]).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("options", [True, False])
+def test_glue_kernels_match_torch(device, rng, dtype, options):
+    """The glue kernels around the chunk kernels against the torch expressions they replace and their autograd:
+    two rows, 70 tokens (two tiles of tokens), channels-last inputs; with or without D, z, the bias and
+    softplus."""
+    from fastft.kernels import selective_scan as kernels
+
+    b, dm, t = 2, 5, 35
+    u, delta, z, bias, D = glue_inputs(rng, b, dm, t, dtype, device)
+    if not options:
+        z = bias = D = None
+    softplus = options
+    leaves = [v.detach().float().requires_grad_() if v is not None else None for v in (u, delta, bias)]
+    step_ref = _flat(leaves[1]) + (leaves[2] if bias is not None else 0)
+    step_ref = F.softplus(step_ref) if softplus else step_ref
+    x, step = kernels.tokens_forward(u, delta, bias, softplus)
+    torch.testing.assert_close(x, _flat(u))
+    torch.testing.assert_close(step, step_ref.detach(), rtol=1e-6, atol=1e-7)
+
+    y = torch.randn(b * t, dm, generator=rng).to(device).requires_grad_()
+    gate = z.detach().float().requires_grad_() if z is not None else None
+    d = D.clone().requires_grad_() if D is not None else None
+    want = (y + (d * x if d is not None else 0)) * (F.silu(_flat(gate)) if gate is not None else 1)
+    out = kernels.output_forward(y.detach(), x, D, z, dtype=dtype)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, want.detach().to(dtype))
+
+    dout = torch.randn(b * t, dm, generator=rng).to(device, dtype)
+    dys, dz, dD = kernels.output_backward(dout.t().contiguous().t(), y.detach() if z is not None else None, x, D, z, t)
+    named = {name: v for name, v in (("y", y), ("z", gate), ("D", d)) if v is not None}
+    grads = dict(zip(named, torch.autograd.grad(want, list(named.values()), dout.float())))
+    torch.testing.assert_close(dys, grads["y"])
+    if z is not None:
+        assert dz.dtype == dtype and dz.shape == z.shape
+        torch.testing.assert_close(dz, grads["z"].to(dtype))
+    if D is not None:
+        torch.testing.assert_close(dD, grads["D"], rtol=1e-5, atol=1e-5)
+
+    du_s, ddelta_s = (torch.randn(b * t, dm, generator=rng).to(device) for _ in range(2))
+    du, ddelta, dbias = kernels.tokens_backward(du_s, ddelta_s, dys, D, delta, bias, softplus, u_dtype=u.dtype)
+    skip = du_s + (D * dys if D is not None else 0)
+    ref = torch.autograd.grad((_flat(leaves[0]), step_ref), [v for v in leaves if v is not None], (skip, ddelta_s))
+    assert du.dtype == u.dtype and ddelta.dtype == delta.dtype and du.shape == u.shape
+    torch.testing.assert_close(du, ref[0].to(dtype))
+    torch.testing.assert_close(ddelta, ref[1].to(dtype))
+    if bias is not None:
+        torch.testing.assert_close(dbias, ref[2], rtol=1e-5, atol=1e-5)
+    else:
+        assert dbias.numel() == 0
+
+
+def test_glue_ops_pass_opcheck(device, rng):
+    from fastft.selective_scan import output_backward_op, output_forward_op, tokens_backward_op, tokens_forward_op
+
+    b, dm, t = 1, 3, 5
+    u, delta, z, bias, D = glue_inputs(rng, b, dm, t, torch.bfloat16, device)
+    for options in [(z, bias, D), (None, None, None)]:
+        gate, bias_, D_ = options
+        torch.library.opcheck(tokens_forward_op.op, (u, delta, bias_, gate is not None))
+        x, step = tokens_forward_op(u, delta, bias_, gate is not None)
+        y = torch.randn(b * t, dm, generator=rng).to(device)
+        torch.library.opcheck(output_forward_op.op, (y, x, D_, gate, u))
+        dout = torch.randn(b * t, dm, generator=rng).to(device, u.dtype)
+        torch.library.opcheck(output_backward_op.op, (dout, y if gate is not None else None, x, D_, gate, t))
+        dys = torch.randn(b * t, dm, generator=rng).to(device)
+        args = (x.clone(), step.clone(), dys, D_, delta, bias_, gate is not None, u)
+        torch.library.opcheck(tokens_backward_op.op, args)
+
+
+def test_glue_kernels_refuse_mismatched_shapes(device, rng):
+    from fastft.kernels import selective_scan as kernels
+
+    u, delta, z, bias, D = glue_inputs(rng, 1, 3, 5, torch.float32, device)
+    with pytest.raises(ValueError, match=r"delta must be u's shape"):
+        kernels.tokens_forward(u, delta[..., :4])
+    with pytest.raises(ValueError, match=r"bias must be \[Dm\]"):
+        kernels.tokens_forward(u, delta, bias[:2])
+    x, step = kernels.tokens_forward(u, delta)
+    with pytest.raises(ValueError, match=r"y must be \[B \* T, Dm\]"):
+        kernels.output_forward(x[:4], x, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"z must be \[B, Dm, T\]"):
+        kernels.output_forward(x, x, z=z[..., :4], dtype=torch.float32)
+    with pytest.raises(ValueError, match="y must be given with z"):
+        kernels.output_backward(x, None, x, None, z, 5)
+    with pytest.raises(ValueError, match=r"D must be \[Dm\]"):
+        kernels.tokens_backward(x, step, x, D[:1], delta, u_dtype=torch.float32)
 
 
 # ---- transformers' implementation, one document at a time -------------------------------------------------
