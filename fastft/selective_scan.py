@@ -141,11 +141,8 @@ def packed_selective_scan(
             y = _TritonScan.apply(u, delta, A.float(), B, C, D, z, delta_bias, delta_softplus, *tables)
         return y.view(b, t, dm).transpose(1, 2)
 
-    def tokens(v):  # [B, K, T] -> [B * T, K] fp32
-        return v.transpose(1, 2).reshape(b * t, v.shape[1]).float()
-
     with torch.autocast(u.device.type, enabled=False):
-        x, step, B, C = tokens(u), tokens(delta), tokens(B), tokens(C)
+        x, step, B, C = _tokens(u), _tokens(delta), _tokens(B), _tokens(C)
         if delta_bias is not None:
             step = step + delta_bias.float()
         if delta_softplus:
@@ -154,7 +151,7 @@ def packed_selective_scan(
         if D is not None:
             y = y + x * D.float()
         if z is not None:
-            y = y * F.silu(tokens(z))
+            y = y * F.silu(_tokens(z))
     return y.reshape(b, t, dm).transpose(1, 2).to(u.dtype)
 
 
@@ -395,7 +392,6 @@ class _TritonScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, delta, A, B, C, D, z, bias, softplus, start, length, first, chunk_size):
-        b, dm, t = u.shape
         x, step = tokens_forward_op(u, delta, bias, softplus)
         Bt, Ct = _tokens(B), _tokens(C)
         y = selective_scan_op(x, step, A, Bt, Ct, start, length, first, chunk_size)
@@ -436,5 +432,5 @@ class _TritonScan(torch.autograd.Function):
 
 
 def _tokens(v):
-    """``[B, N, T]`` -> fp32 ``[B * T, N]`` contiguous."""
+    """``[B, K, T]`` -> fp32 ``[B * T, K]`` contiguous."""
     return v.transpose(1, 2).reshape(-1, v.shape[1]).float().contiguous()
