@@ -40,24 +40,25 @@ __all__ = ["packed_selective_scan"]
 OP = dispatch.register("selective_scan.scan")
 # Launch parameters only; dispatched with the forward.
 OP_BACKWARD = "selective_scan.scan_backward"
-# Keyed by u's elements (T * Dm). Defaults: ``tune``'s choices on an H200 at Jamba's widths (Dm = 8192, N = 16),
-# T=8192 and 32768: one warp a program, its sums over channels within the warp. The interpreter's 16: few
-# programs (each costs the interpreter milliseconds), and tests/test_selective_scan.py's widest inputs span two.
+# Keyed by u's elements (T * Dm). Defaults: sweeps on an H200 at Jamba's widths (Dm = 8192, N = 16), T=2,048 and
+# 16,384. STAGES: how many tokens ahead a chunk's loop loads (Triton's software pipelining); the backward's one warp
+# a program keeps its sums over channels within the warp. The interpreter's 16: few programs (each costs the
+# interpreter milliseconds), and tests/test_selective_scan.py's widest inputs span two.
 autotune.register(
     OP,
     autotune.Tunable(
-        {"BD": 32, "num_warps": 1},
+        {"BD": 128, "num_warps": 2, "STAGES": 4},
         sizes=(8192 * 8192, 32768 * 8192),
-        grid={"BD": (16, 32, 64, 128), "num_warps": (1, 2, 4, 8)},
+        grid={"BD": (32, 64, 128), "num_warps": (1, 2, 4), "STAGES": (1, 3, 4)},
         interpreter={"BD": 16},
     ),
 )
 autotune.register(
     OP_BACKWARD,
     autotune.Tunable(
-        {"BD": 64, "num_warps": 1, "PROGRAMS_PER_SM": 16},
+        {"BD": 64, "num_warps": 1, "STAGES": 3, "PROGRAMS_PER_SM": 16},
         sizes=(8192 * 8192, 32768 * 8192),
-        grid={"BD": (16, 32, 64), "num_warps": (1, 2, 4, 8), "PROGRAMS_PER_SM": (4, 8, 16)},
+        grid={"BD": (32, 64, 128), "num_warps": (1, 2), "STAGES": (1, 3, 4), "PROGRAMS_PER_SM": (8, 16)},
         interpreter={"BD": 16, "PROGRAMS_PER_SM": 1},
     ),
 )
@@ -252,7 +253,7 @@ def selective_scan_backward_op(
     u, delta, A, B, C, dy = (v.float().contiguous() for v in (u, delta, A, B, C, dy))
     states, decay = chunk_states(u, delta, A, B, start, length, first)
     cfg = autotune.params(OP_BACKWARD, u.device, u.numel())
-    block = {"BD": cfg["BD"], "num_warps": cfg["num_warps"]}
+    block = {"BD": cfg["BD"], "num_warps": cfg["num_warps"], "STAGES": cfg["STAGES"]}
     dstates = kernels.chunk_start_grads(delta, A, C, dy, start, length, **block)
     scan_cfg = autotune.params(OP_STATE_SCAN_BACKWARD, u.device, states.numel())
     flat = (1, first.shape[0], -1)

@@ -23,7 +23,8 @@ from ``dT`` with the recurrence's gradients, ``g_t = dy_t C_t + a_{t+1} g_{t+1}`
 
 It needs ``h_{t-1}`` in reverse order: each program first reruns its chunk forward, writing the states into its
 own slice of a scratch buffer (``PROGRAMS`` programs loop over the (chunk, block) pairs, so the scratch is
-``PROGRAMS x chunk x BD x N`` whatever the sequence length). fp32 throughout.
+``PROGRAMS x chunk x BD x N`` whatever the sequence length). fp32 throughout. Each loop over a chunk's tokens
+loads ``STAGES - 1`` tokens ahead (Triton's software pipelining): a step's loads do not depend on the step before.
 
 Around them, the glue between the op's inputs and these kernels' fp32 ``[tokens, Dm]`` layout, one pass each
 over tiles of tokens x channels: ``tokens_forward`` (u and ``softplus(delta + bias)`` from ``[B, Dm, T]`` in
@@ -41,6 +42,8 @@ import triton.language as tl
 
 from ._launch import cdiv, launch, next_power_of_2
 
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x log2 e); exp2 is one instruction
+
 
 @triton.jit
 def _chunk_ends_kernel(
@@ -56,27 +59,28 @@ def _chunk_ends_kernel(
     N,
     BD: tl.constexpr,
     BN: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     c = tl.program_id(0).to(tl.int64)
     od = tl.program_id(1) * BD + tl.arange(0, BD)
     on = tl.arange(0, BN)
     md, mn = od < DM, on < N
     mask = md[:, None] & mn[None, :]
-    A = tl.load(A_ptr + od[:, None] * N + on[None, :], mask=mask, other=0.0)
+    A = tl.load(A_ptr + od[:, None] * N + on[None, :], mask=mask, other=0.0) * LOG2E
     start = tl.load(start_ptr + c).to(tl.int64)
     length = tl.load(length_ptr + c)
     h = tl.zeros([BD, BN], dtype=tl.float32)
     total = tl.zeros([BD], dtype=tl.float32)
-    for j in range(length):
+    for j in tl.range(length, num_stages=STAGES):
         t = start + j
         dt = tl.load(delta_ptr + t * DM + od, mask=md, other=0.0)
         x = tl.load(u_ptr + t * DM + od, mask=md, other=0.0)
         b = tl.load(B_ptr + t * N + on, mask=mn, other=0.0)
-        h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * b[None, :]
+        h = tl.exp2(dt[:, None] * A) * h + (dt * x)[:, None] * b[None, :]
         total += dt
     offs = (c * DM + od[:, None]) * N + on[None, :]
     tl.store(local_ptr + offs, h, mask=mask)
-    tl.store(decay_ptr + offs, tl.exp(A * total[:, None]), mask=mask)
+    tl.store(decay_ptr + offs, tl.exp2(A * total[:, None]), mask=mask)
 
 
 @triton.jit
@@ -94,45 +98,57 @@ def _chunk_outputs_kernel(
     N,
     BD: tl.constexpr,
     BN: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     c = tl.program_id(0).to(tl.int64)
     od = tl.program_id(1) * BD + tl.arange(0, BD)
     on = tl.arange(0, BN)
     md, mn = od < DM, on < N
     mask = md[:, None] & mn[None, :]
-    A = tl.load(A_ptr + od[:, None] * N + on[None, :], mask=mask, other=0.0)
+    A = tl.load(A_ptr + od[:, None] * N + on[None, :], mask=mask, other=0.0) * LOG2E
     start = tl.load(start_ptr + c).to(tl.int64)
     length = tl.load(length_ptr + c)
     h = tl.load(states_ptr + (c * DM + od[:, None]) * N + on[None, :], mask=mask, other=0.0)
-    for j in range(length):
+    for j in tl.range(length, num_stages=STAGES):
         t = start + j
         dt = tl.load(delta_ptr + t * DM + od, mask=md, other=0.0)
         x = tl.load(u_ptr + t * DM + od, mask=md, other=0.0)
         b = tl.load(B_ptr + t * N + on, mask=mn, other=0.0)
         cv = tl.load(C_ptr + t * N + on, mask=mn, other=0.0)
-        h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * b[None, :]
+        h = tl.exp2(dt[:, None] * A) * h + (dt * x)[:, None] * b[None, :]
         tl.store(y_ptr + t * DM + od, tl.sum(h * cv[None, :], 1), mask=md)
 
 
 @triton.jit
 def _chunk_start_grads_kernel(
-    delta_ptr, A_ptr, C_ptr, dy_ptr, start_ptr, length_ptr, dstates_ptr, DM, N, BD: tl.constexpr, BN: tl.constexpr
+    delta_ptr,
+    A_ptr,
+    C_ptr,
+    dy_ptr,
+    start_ptr,
+    length_ptr,
+    dstates_ptr,
+    DM,
+    N,
+    BD: tl.constexpr,
+    BN: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     c = tl.program_id(0).to(tl.int64)
     od = tl.program_id(1) * BD + tl.arange(0, BD)
     on = tl.arange(0, BN)
     md, mn = od < DM, on < N
     mask = md[:, None] & mn[None, :]
-    A = tl.load(A_ptr + od[:, None] * N + on[None, :], mask=mask, other=0.0)
+    A = tl.load(A_ptr + od[:, None] * N + on[None, :], mask=mask, other=0.0) * LOG2E
     start = tl.load(start_ptr + c).to(tl.int64)
     length = tl.load(length_ptr + c)
     carry = tl.zeros([BD, BN], dtype=tl.float32)  # the gradient of h_t from the chunk's later tokens
-    for r in range(length):
+    for r in tl.range(length, num_stages=STAGES):
         t = start + length - 1 - r
         dt = tl.load(delta_ptr + t * DM + od, mask=md, other=0.0)
         dy = tl.load(dy_ptr + t * DM + od, mask=md, other=0.0)
         cv = tl.load(C_ptr + t * N + on, mask=mn, other=0.0)
-        carry = tl.exp(dt[:, None] * A) * (carry + dy[:, None] * cv[None, :])
+        carry = tl.exp2(dt[:, None] * A) * (carry + dy[:, None] * cv[None, :])
     tl.store(dstates_ptr + (c * DM + od[:, None]) * N + on[None, :], carry, mask=mask)
 
 
@@ -162,6 +178,7 @@ def _chunk_grads_kernel(
     NPROG,
     BD: tl.constexpr,
     BN: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     blocks = tl.cdiv(DM, BD)
@@ -176,22 +193,23 @@ def _chunk_grads_kernel(
         od = i_b * BD + ob
         md = od < DM
         mask = md[:, None] & mn[None, :]
-        A = tl.load(A_ptr + od[:, None] * N + on[None, :], mask=mask, other=0.0)
+        A = tl.load(A_ptr + od[:, None] * N + on[None, :], mask=mask, other=0.0) * LOG2E
         start = tl.load(start_ptr + c).to(tl.int64)
         length = tl.load(length_ptr + c)
         offs = (c * DM + od[:, None]) * N + on[None, :]
         h = tl.load(states_ptr + offs, mask=mask, other=0.0)
-        for j in range(length):
+        for j in tl.range(length, num_stages=STAGES):
             tl.store(scratch + j * BD * BN, h)
             t = start + j
             dt = tl.load(delta_ptr + t * DM + od, mask=md, other=0.0)
             x = tl.load(u_ptr + t * DM + od, mask=md, other=0.0)
             b = tl.load(B_ptr + t * N + on, mask=mn, other=0.0)
-            h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * b[None, :]
+            h = tl.exp2(dt[:, None] * A) * h + (dt * x)[:, None] * b[None, :]
         tl.debug_barrier()
+        # masked channels and states hold zeros throughout (A, h, the carry and their loads), so they add nothing
         carry = tl.load(dT_ptr + offs, mask=mask, other=0.0)  # the gradient of the state the chunk leaves
         dA = tl.zeros([BD, BN], dtype=tl.float32)
-        for r in range(length):
+        for r in tl.range(length, num_stages=STAGES):
             j = length - 1 - r
             t = start + j
             dt = tl.load(delta_ptr + t * DM + od, mask=md, other=0.0)
@@ -200,16 +218,18 @@ def _chunk_grads_kernel(
             b = tl.load(B_ptr + t * N + on, mask=mn, other=0.0)
             cv = tl.load(C_ptr + t * N + on, mask=mn, other=0.0)
             h_prev = tl.load(scratch + j * BD * BN)
-            a = tl.exp(dt[:, None] * A)
-            h = a * h_prev + (dt * x)[:, None] * b[None, :]
+            a = tl.exp2(dt[:, None] * A)
+            ah = a * h_prev  # h_t = ah + dt x B_t
             g = carry + dy[:, None] * cv[None, :]  # the gradient of h_t
+            gah = g * ah
             gb = tl.sum(g * b[None, :], 1)
-            decay_term = tl.where(mask, A * a * h_prev, 0.0)
+            dx = dt * x
             tl.store(du_ptr + t * DM + od, dt * gb, mask=md)
-            tl.store(ddelta_ptr + t * DM + od, x * gb + tl.sum(g * decay_term, 1), mask=md)
-            tl.store(dB_ptr + (i_b * NT + t) * N + on, tl.sum(g * (dt * x)[:, None], 0), mask=mn)
-            tl.store(dC_ptr + (i_b * NT + t) * N + on, tl.sum(dy[:, None] * h, 0), mask=mn)
-            dA += g * dt[:, None] * a * h_prev
+            tl.store(ddelta_ptr + t * DM + od, x * gb + tl.sum(gah * A, 1) / LOG2E, mask=md)
+            tl.store(dB_ptr + (i_b * NT + t) * N + on, tl.sum(g * dx[:, None], 0), mask=mn)
+            dc = tl.sum(dy[:, None] * ah, 0) + tl.sum(dy * dx, 0) * b
+            tl.store(dC_ptr + (i_b * NT + t) * N + on, dc, mask=mn)
+            dA += gah * dt[:, None]
             carry = a * g
         tl.store(dA_ptr + offs, dA, mask=mask)
         tl.debug_barrier()  # the next item's forward rewrites the scratch
@@ -219,7 +239,7 @@ def _blocks(dm: int, n: int, BD: int) -> tuple[int, int]:
     return max(2, min(BD, next_power_of_2(dm))), max(2, next_power_of_2(n))
 
 
-def chunk_ends(u, delta, A, B, start, length, *, BD: int = 64, num_warps: int = 4):
+def chunk_ends(u, delta, A, B, start, length, *, BD: int = 64, num_warps: int = 4, STAGES: int = 1):
     """(local, decay) fp32 ``[NC, Dm, N]``: the state each chunk leaves from a zero entering state, and
     ``exp(A * sum(delta))`` over its tokens. u, delta ``[T, Dm]``, A ``[Dm, N]``, B ``[T, N]`` fp32
     contiguous; start, length int32 ``[NC]`` (the chunks' first token and token count)."""
@@ -230,11 +250,11 @@ def chunk_ends(u, delta, A, B, start, length, *, BD: int = 64, num_warps: int = 
         return local, decay
     bd, bn = _blocks(dm, n, BD)
     args = (u, delta, A, B, start, length, local, decay, dm, n)
-    launch(_chunk_ends_kernel, (nc, cdiv(dm, bd)), *args, BD=bd, BN=bn, num_warps=num_warps)
+    launch(_chunk_ends_kernel, (nc, cdiv(dm, bd)), *args, BD=bd, BN=bn, STAGES=STAGES, num_warps=num_warps)
     return local, decay
 
 
-def chunk_outputs(u, delta, A, B, C, start, length, states, *, BD: int = 64, num_warps: int = 4):
+def chunk_outputs(u, delta, A, B, C, start, length, states, *, BD: int = 64, num_warps: int = 4, STAGES: int = 1):
     """y ``[T, Dm]`` fp32: each chunk run from its entering state (``states`` ``[NC, Dm, N]``), ``h_t C_t``."""
     nc, (t, dm), n = start.shape[0], u.shape, A.shape[1]
     y = u.new_empty(t, dm)  # every token lies in one chunk of the table: each is written
@@ -242,11 +262,11 @@ def chunk_outputs(u, delta, A, B, C, start, length, states, *, BD: int = 64, num
         return y
     bd, bn = _blocks(dm, n, BD)
     args = (u, delta, A, B, C, start, length, states, y, dm, n)
-    launch(_chunk_outputs_kernel, (nc, cdiv(dm, bd)), *args, BD=bd, BN=bn, num_warps=num_warps)
+    launch(_chunk_outputs_kernel, (nc, cdiv(dm, bd)), *args, BD=bd, BN=bn, STAGES=STAGES, num_warps=num_warps)
     return y
 
 
-def chunk_start_grads(delta, A, C, dy, start, length, *, BD: int = 64, num_warps: int = 4):
+def chunk_start_grads(delta, A, C, dy, start, length, *, BD: int = 64, num_warps: int = 4, STAGES: int = 1):
     """``[NC, Dm, N]`` fp32: the gradient of each chunk's entering state through its own outputs."""
     nc, dm, n = start.shape[0], delta.shape[1], A.shape[1]
     dstates = delta.new_empty(nc, dm, n)
@@ -254,12 +274,27 @@ def chunk_start_grads(delta, A, C, dy, start, length, *, BD: int = 64, num_warps
         return dstates
     bd, bn = _blocks(dm, n, BD)
     args = (delta, A, C, dy, start, length, dstates, dm, n)
-    launch(_chunk_start_grads_kernel, (nc, cdiv(dm, bd)), *args, BD=bd, BN=bn, num_warps=num_warps)
+    launch(_chunk_start_grads_kernel, (nc, cdiv(dm, bd)), *args, BD=bd, BN=bn, STAGES=STAGES, num_warps=num_warps)
     return dstates
 
 
 def chunk_grads(
-    u, delta, A, B, C, dy, start, length, states, dT, chunk_size, *, BD: int = 64, num_warps: int = 4, PROGRAMS=512
+    u,
+    delta,
+    A,
+    B,
+    C,
+    dy,
+    start,
+    length,
+    states,
+    dT,
+    chunk_size,
+    *,
+    BD: int = 64,
+    num_warps: int = 4,
+    STAGES: int = 1,
+    PROGRAMS: int = 512,
 ):
     """(du, ddelta ``[T, Dm]``, dB, dC ``[T, N]``, dA ``[Dm, N]``) fp32, given each chunk's entering state and
     the gradient of the state it leaves (``dT``), both ``[NC, Dm, N]``."""
@@ -275,7 +310,7 @@ def chunk_grads(
     dA = u.new_empty(nc, dm, n)
     args = (u, delta, A, B, C, dy, start, length, states, dT, scratch, du, ddelta, dB, dC, dA, nc, dm, n, t, chunk_size)
     args = (*args, programs)
-    launch(_chunk_grads_kernel, (programs,), *args, BD=bd, BN=bn, num_warps=num_warps)
+    launch(_chunk_grads_kernel, (programs,), *args, BD=bd, BN=bn, STAGES=STAGES, num_warps=num_warps)
     return du, ddelta, dB.sum(0), dC.sum(0), dA.sum(0)
 
 

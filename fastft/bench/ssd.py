@@ -244,7 +244,7 @@ def tune_launchers(device: torch.device) -> dict:
         dT = torch.randn_like(states)
 
         def run(cfg):
-            block = {"BD": cfg["BD"], "num_warps": cfg["num_warps"]}
+            block = {"BD": cfg["BD"], "num_warps": cfg["num_warps"], "STAGES": cfg["STAGES"]}
             mamba1_kernels.chunk_start_grads(delta, A, C, dy, table.start, table.length, **block)
             programs = mamba1.backward_programs(device, cfg["PROGRAMS_PER_SM"])
             mamba1_kernels.chunk_grads(
