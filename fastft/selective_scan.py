@@ -41,9 +41,9 @@ OP = dispatch.register("selective_scan.scan")
 # Launch parameters only; dispatched with the forward.
 OP_BACKWARD = "selective_scan.scan_backward"
 # Keyed by u's elements (T * Dm). Defaults: sweeps on an H200 at Jamba's widths (Dm = 8192, N = 16), T=2,048 and
-# 16,384. STAGES: how many tokens ahead a chunk's loop loads (Triton's software pipelining); the backward's one warp
-# a program keeps its sums over channels within the warp. The interpreter's 16: few programs (each costs the
-# interpreter milliseconds), and tests/test_selective_scan.py's widest inputs span two.
+# 16,384. STAGES: the depth of a chunk loop's software pipeline (it loads STAGES - 1 tokens ahead); the backward's
+# one warp a program keeps its sums over channels within the warp. The interpreter's 16: few programs (each costs
+# the interpreter milliseconds), and tests/test_selective_scan.py's widest inputs span two.
 autotune.register(
     OP,
     autotune.Tunable(
@@ -56,7 +56,7 @@ autotune.register(
 autotune.register(
     OP_BACKWARD,
     autotune.Tunable(
-        {"BD": 64, "num_warps": 1, "STAGES": 3, "PROGRAMS_PER_SM": 16},
+        {"BD": 64, "num_warps": 1, "STAGES": 3, "PROGRAMS_PER_SM": 8},
         sizes=(8192 * 8192, 32768 * 8192),
         grid={"BD": (32, 64, 128), "num_warps": (1, 2), "STAGES": (1, 3, 4), "PROGRAMS_PER_SM": (8, 16)},
         interpreter={"BD": 16, "PROGRAMS_PER_SM": 1},

@@ -506,7 +506,7 @@ def output_backward(dout, y, x, D, z, t):
     args = (dout, x if y is None else y, x, x if D is None else D, x if z is None else z, dys)
     args = (*args, dz if z is not None else x, dD if D is not None else x, nt, dm, t, *dout.stride(), *_strides3(z))
     launch(_output_backward_kernel, grid, *args, HAS_D=D is not None, HAS_Z=z is not None, BT=_BT, BC=_BC,
-           num_warps=4)  # fmt: skip
+           num_warps=8)  # fmt: skip
     return dys, dz, dD.sum(0) if D is not None else dD
 
 
