@@ -86,7 +86,7 @@ def _check(u, delta, A, B, C, info, D, z, delta_bias, delta_softplus, chunk_size
     if A.dim() != 2 or A.shape[0] != dm or A.shape[1] == 0:
         raise ValueError(f"A must be [Dm, N] with Dm = {dm} and N >= 1, got {tuple(A.shape)}")
     for name, v in (("B", B), ("C", C)):
-        _tensor(name, v, u.device, (b, A.shape[1], t), "[B, N, T]")
+        _tensor(name, v, u.device, (b, A.shape[1], t), "[B, N, T] with N = A.shape[1]")
     for name, v in (("D", D), ("delta_bias", delta_bias)):
         if v is not None:
             _tensor(name, v, u.device, (dm,), "[Dm]")

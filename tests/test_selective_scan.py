@@ -334,6 +334,7 @@ def _args(**changes):
         (dict(A=torch.zeros(2, 2)), ValueError, r"A must be \[Dm, N\] with Dm = 3"),
         (dict(B=torch.zeros(1, 3, 6)), ValueError, r"B must be \[B, N, T\]"),
         (dict(C=torch.zeros(1, 2, 5)), ValueError, r"C must be \[B, N, T\]"),
+        (dict(A=torch.zeros(3, 3)), ValueError, r"B must be \[B, N, T\] with N = A.shape\[1\] = \(1, 3, 6\)"),
         (dict(D=torch.zeros(2)), ValueError, r"D must be \[Dm\]"),
         (dict(delta_bias=torch.zeros(3, 1)), ValueError, r"delta_bias must be \[Dm\]"),
         (dict(z=torch.zeros(1, 3, 5)), ValueError, "z must be u's shape"),
