@@ -269,16 +269,16 @@ state_scan_op.register_autograd(_backward, setup_context=_setup)
 
 @custom_op("fastft::ssd_intra_forward")
 def intra_forward_op(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bc_exact: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kernels.ssd.intra_forward``: (y, local, decay) fp32, not differentiable."""
     from .kernels import ssd as kernels
 
-    return kernels.intra_forward(x, a, b, c)
+    return kernels.intra_forward(x, a, b, c, bc_exact=bc_exact)
 
 
 @intra_forward_op.register_fake
-def _(x, a, b, c):
+def _(x, a, b, c, bc_exact):
     h, nc, cs, p = x.shape
     f32 = torch.float32
     return (
@@ -298,15 +298,16 @@ def intra_backward_op(
     dlocal: torch.Tensor,
     ddecay: torch.Tensor,
     dcum: torch.Tensor,
+    bc_exact: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kernels.ssd.intra_backward``: (dx, db, dc, da) fp32."""
     from .kernels import ssd as kernels
 
-    return kernels.intra_backward(x, a, b, c, dy, dlocal, ddecay, dcum)
+    return kernels.intra_backward(x, a, b, c, dy, dlocal, ddecay, dcum, bc_exact=bc_exact)
 
 
 @intra_backward_op.register_fake
-def _(x, a, b, c, dy, dlocal, ddecay, dcum):
+def _(x, a, b, c, dy, dlocal, ddecay, dcum, bc_exact):
     f32 = torch.float32
     return (
         x.new_empty(x.shape, dtype=f32),
@@ -317,30 +318,32 @@ def _(x, a, b, c, dy, dlocal, ddecay, dcum):
 
 
 @custom_op("fastft::ssd_output_forward")
-def output_forward_op(y: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+def output_forward_op(
+    y: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: torch.Tensor, bc_exact: bool
+) -> torch.Tensor:
     """``kernels.ssd.output_forward``: the output fp32, not differentiable."""
     from .kernels import ssd as kernels
 
-    return kernels.output_forward(y, a, c, states)
+    return kernels.output_forward(y, a, c, states, bc_exact=bc_exact)
 
 
 @output_forward_op.register_fake
-def _(y, a, c, states):
+def _(y, a, c, states, bc_exact):
     return y.new_empty(y.shape, dtype=torch.float32)
 
 
 @custom_op("fastft::ssd_output_backward")
 def output_backward_op(
-    dy: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: torch.Tensor
+    dy: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: torch.Tensor, bc_exact: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kernels.ssd.output_backward``: (dcum, dstates, dc) fp32."""
     from .kernels import ssd as kernels
 
-    return kernels.output_backward(dy, a, c, states)
+    return kernels.output_backward(dy, a, c, states, bc_exact=bc_exact)
 
 
 @output_backward_op.register_fake
-def _(dy, a, c, states):
+def _(dy, a, c, states, bc_exact):
     return tuple(v.new_empty(v.shape, dtype=torch.float32) for v in (a, states, c))
 
 
@@ -443,8 +446,9 @@ def _on_triton(x, step, A, B, C, D, z, table: ChunkTable) -> torch.Tensor:
     n = x.shape[0]
     g, state_size = B.shape[-2:]
     b, c = (_slots(v.reshape(n, g, state_size).float(), table) for v in (B, C))  # [G, NC, C, N]
+    exact = all(v.dtype in (torch.bfloat16, torch.float16) for v in (B, C))  # their fp32 copies are exact in TF32
     D = None if D is None else D.float()
-    return _TritonScan.apply(x, step, A.float(), b, c, D, z, table.token_index, table.slot, table.first)
+    return _TritonScan.apply(x, step, A.float(), b, c, D, z, table.token_index, table.slot, table.first, exact)
 
 
 class _TritonScan(torch.autograd.Function):
@@ -453,12 +457,14 @@ class _TritonScan(torch.autograd.Function):
     the chunked algorithm (``_chunks_forward``), the slots back to the tokens with the skip and the gate
     (``unpack_forward_op``). x's gradient is summed in fp32 over its two uses (``x * step`` and ``D * x``) and
     rounded once to x's dtype. Inputs: x ``[N, H, P]`` and z (or None) in their dtypes, step ``[N, H]``, A ``[H]``,
-    B and C ``[G, NC, C, N]``, D (or None) fp32, the chunk table's token_index, slot and first."""
+    B and C ``[G, NC, C, N]``, D (or None) fp32, the chunk table's token_index, slot and first, and whether B and C
+    are exact in TF32 (copied from 16-bit inputs)."""
 
     @staticmethod
-    def forward(ctx, x, step, A, b, c, D, z, token_index, slot, first):
+    def forward(ctx, x, step, A, b, c, D, z, token_index, slot, first, bc_exact):
         x_dt, a = pack_forward_op(x, step, A, token_index)
-        y, decay, states = _chunks_forward(x_dt, a, b, c, first)
+        y, decay, states = _chunks_forward(x_dt, a, b, c, first, bc_exact)
+        ctx.bc_exact = bc_exact
         keep = y if z is not None else None  # dz reads the output before the gate
         ctx.save_for_backward(x, step, A, b, c, D, z, token_index, slot, first, x_dt, a, decay, states, keep)
         return unpack_forward_op(y, x, slot, D, z)
@@ -468,30 +474,30 @@ class _TritonScan(torch.autograd.Function):
         with torch.autocast(dout.device.type, enabled=False):  # fp32, as the forward (autocast is off there)
             x, step, A, b, c, D, z, token_index, slot, first, x_dt, a, decay, states, y = ctx.saved_tensors
             dy, dx_skip, dD, dz = unpack_backward_op(dout, y, x, token_index, D, z)
-            dx_dt, da, db, dc = _chunks_backward(x_dt, a, b, c, first, decay, states, dy)
+            dx_dt, da, db, dc = _chunks_backward(x_dt, a, b, c, first, decay, states, dy, ctx.bc_exact)
             dx, dstep, dA = pack_backward_op(x, step, A, slot, dx_dt, da, None if D is None else dx_skip)
-        return dx, dstep, dA, db, dc, None if D is None else dD, None if z is None else dz, None, None, None
+        return dx, dstep, dA, db, dc, None if D is None else dD, None if z is None else dz, None, None, None, None
 
 
-def _chunks_forward(x, a, b, c, first):
+def _chunks_forward(x, a, b, c, first, bc_exact=False):
     """``_chunked``'s algorithm on Triton (``intra_forward_op``, ``state_scan_op``, ``output_forward_op``): per head
     and chunk, with ``cum`` the cumulative log decay, ``y = y_intra + exp(cum) * (C states^T)``, ``states`` the scan
     over chunks of the intra-chunk kernel's ``local`` and ``decay``. Inputs fp32: x (x * dt) ``[H, NC, C, P]``, a
     (dt * A) ``[H, NC, C]``, B and C ``[G, NC, C, N]``, first ``[NC]``; returns (y ``[H, NC, C, P]``, decay, states)
-    (the last two for ``_chunks_backward``)."""
+    (the last two for ``_chunks_backward``). ``bc_exact``: B and C are exact in TF32 (``kernels.ssd.intra_forward``)."""
     h, nc, _, p = x.shape
     n = b.shape[-1]
-    y, local, decay = intra_forward_op(x, a, b, c)
+    y, local, decay = intra_forward_op(x, a, b, c, bc_exact)
     states = state_scan_op(local.view(h, nc, p * n), decay, first)
-    return output_forward_op(y, a, c, states.view(h, nc, p, n)), decay, states
+    return output_forward_op(y, a, c, states.view(h, nc, p, n), bc_exact), decay, states
 
 
-def _chunks_backward(x, a, b, c, first, decay, states, dy):
+def _chunks_backward(x, a, b, c, first, decay, states, dy, bc_exact=False):
     """``_chunks_forward``'s backward: (dx, da, db, dc) fp32 from its inputs, decay and states and y's gradient."""
     h, nc, _, p = x.shape
     n = b.shape[-1]
     dy = dy.contiguous()
-    dcum, dstates, dc_off = output_backward_op(dy, a, c, states.view(h, nc, p, n))
+    dcum, dstates, dc_off = output_backward_op(dy, a, c, states.view(h, nc, p, n), bc_exact)
     dlocal, ddecay = state_scan_backward_op.op(decay, first, states, dstates.view(h, nc, p * n))
-    dx, db, dc, da = intra_backward_op(x, a, b, c, dy, dlocal.view(h, nc, p, n), ddecay, dcum)
+    dx, db, dc, da = intra_backward_op(x, a, b, c, dy, dlocal.view(h, nc, p, n), ddecay, dcum, bc_exact)
     return dx, da, db, dc + dc_off

@@ -206,7 +206,28 @@ def _to_end(a, oc, C):
 
 
 @triton.jit
-def _c_bt(b_ptr, c_ptr, rows, oc, mc, N, DOT: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr):
+def _tf32_high(v):
+    """v cut to TF32 (its sign, exponent and top 10 mantissa bits): ``v - _tf32_high(v)`` is exact in fp32."""
+    return (v.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_exact(a, b, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, DOT: tl.constexpr):
+    """``acc + a b``. An operand exact in TF32 (B and C copied from 16-bit inputs: ``EXACT_BC``) needs no split:
+    both exact, one TF32 product; one exact, two (the other's high part and its rest), where 3xTF32 takes three."""
+    if A_EXACT and B_EXACT:
+        return tl.dot(a, b, acc, input_precision="tf32")
+    if A_EXACT:
+        high = _tf32_high(b)
+        return tl.dot(a, high, tl.dot(a, b - high, acc, input_precision="tf32"), input_precision="tf32")
+    if B_EXACT:
+        high = _tf32_high(a)
+        return tl.dot(high, b, tl.dot(a - high, b, acc, input_precision="tf32"), input_precision="tf32")
+    return tl.dot(a, b, acc, input_precision=DOT)
+
+
+@triton.jit
+def _c_bt(b_ptr, c_ptr, rows, oc, mc, N, DOT: tl.constexpr, EXACT_BC: tl.constexpr, BC: tl.constexpr, BN: tl.constexpr):
     """``C B^T`` ``[BC, BC]`` of one group's chunk (rows at ``rows``), the state's columns ``BN`` at a time."""
     cb = tl.zeros((BC, BC), dtype=tl.float32)
     for n0 in range(0, N, BN):
@@ -214,7 +235,7 @@ def _c_bt(b_ptr, c_ptr, rows, oc, mc, N, DOT: tl.constexpr, BC: tl.constexpr, BN
         m = mc[:, None] & (on[None, :] < N)
         bb = tl.load(b_ptr + rows + oc[:, None] * N + on[None, :], mask=m, other=0.0)
         cc = tl.load(c_ptr + rows + oc[:, None] * N + on[None, :], mask=m, other=0.0)
-        cb += tl.dot(cc, tl.trans(bb), input_precision=DOT)
+        cb = _dot_exact(cc, tl.trans(bb), cb, EXACT_BC, EXACT_BC, DOT)
     return cb
 
 
@@ -234,6 +255,7 @@ def _intra_forward_kernel(
     HG,
     HS,
     DOT: tl.constexpr,
+    EXACT_BC: tl.constexpr,
     BC: tl.constexpr,
     BP: tl.constexpr,
     BN: tl.constexpr,
@@ -246,7 +268,7 @@ def _intra_forward_kernel(
     mc = oc < C
     cp = mc[:, None] & (op[None, :] < P)
     rows = group_chunk * C * N
-    cb = _c_bt(b_ptr, c_ptr, rows, oc, mc, N, DOT, BC, BN)
+    cb = _c_bt(b_ptr, c_ptr, rows, oc, mc, N, DOT, EXACT_BC, BC, BN)
     for hh in range(part * HS, tl.minimum(part * HS + HS, HG)):
         hc = (group * HG + hh) * NC + chunk  # this head's chunk
         a = tl.load(a_ptr + hc * C + oc, mask=mc, other=0.0)
@@ -258,13 +280,19 @@ def _intra_forward_kernel(
         for n0 in range(0, N, BN):
             on = n0 + tl.arange(0, BN)
             bb = tl.load(b_ptr + rows + oc[:, None] * N + on[None, :], mask=mc[:, None] & (on[None, :] < N), other=0.0)
-            local = tl.dot(xe, bb, input_precision=DOT)  # [BP, BN]
+            local = _dot_exact(xe, bb, None, False, EXACT_BC, DOT)  # [BP, BN]
             tl.store(
                 local_ptr + hc * P * N + op[:, None] * N + on[None, :],
                 local,
                 mask=(op[:, None] < P) & (on[None, :] < N),
             )
         tl.store(decay_ptr + hc, tl.exp(tl.sum(a, 0)))
+
+
+def _exact_bc(device: torch.device, bc_exact: bool) -> bool:
+    """Whether the kernels take B and C as exact in TF32: asked, and the products are 3xTF32 (or fp32 in Triton's
+    interpreter, where the shortened products run too)."""
+    return bool(bc_exact) and (device.type == "cpu" or dot_precision(device) == "tf32x3")
 
 
 def _check_intra(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
@@ -277,14 +305,22 @@ def _check_intra(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Ten
 
 
 def intra_forward(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, head_slices: int | None = None
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    head_slices: int | None = None,
+    bc_exact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The intra-chunk part of the chunked SSD scan, per head and chunk (heads grouped as ``[G, H // G]``): for
     fp32 x ``[H, NC, C, P]`` (x * dt), a ``[H, NC, C]`` (the log decays dt * A) and B, C ``[G, NC, C, N]``,
     with ``seg[i, j] = a_{j+1} + ... + a_i``: (y ``[H, NC, C, P]`` = ``((C B^T) * exp(seg) on j <= i) x``, the
     state each chunk leaves from a zero entering state ``[H, NC, P, N]`` = ``(x * exp(seg[last, j]))^T B``, the
     chunk's decay ``[H, NC]`` = ``exp(sum(a))``), fp32. ``head_slices``: how many programs share a group's heads
-    per chunk (launch parameter; default: about four programs per SM)."""
+    per chunk (launch parameter; default: about four programs per SM). ``bc_exact``: B and C hold values exact
+    in TF32 (copied from bf16 or fp16 inputs), so their products skip 3xTF32's split (if they are not, the
+    results are only TF32-accurate)."""
     _check_intra(x, a, b, c)
     h, nc, cs, p = x.shape
     g, n = b.shape[0], b.shape[-1]
@@ -313,6 +349,7 @@ def intra_forward(
         hg,
         per_slice,
         DOT=dot_precision(x.device),
+        EXACT_BC=_exact_bc(x.device, bc_exact),
         BC=max(16, next_power_of_2(cs)),
         BP=max(16, next_power_of_2(p)),
         BN=_COLUMNS,
@@ -341,6 +378,7 @@ def _intra_backward_heads_kernel(
     HG,
     HS,
     DOT: tl.constexpr,
+    EXACT_BC: tl.constexpr,
     BC: tl.constexpr,
     BP: tl.constexpr,
     BN: tl.constexpr,
@@ -355,7 +393,7 @@ def _intra_backward_heads_kernel(
     cp = mc[:, None] & (op[None, :] < P)
     lower = oc[:, None] >= oc[None, :]
     rows = group_chunk * C * N
-    cb = _c_bt(b_ptr, c_ptr, rows, oc, mc, N, DOT, BC, BN)
+    cb = _c_bt(b_ptr, c_ptr, rows, oc, mc, N, DOT, EXACT_BC, BC, BN)
     dcb = tl.zeros((BC, BC), dtype=tl.float32)
     for hh in range(part * HS, tl.minimum(part * HS + HS, HG)):
         hc = (group * HG + hh) * NC + chunk
@@ -381,7 +419,7 @@ def _intra_backward_heads_kernel(
                 mask=(op[:, None] < P) & (on[None, :] < N),
                 other=0.0,
             )
-            b_dl += tl.dot(bb, tl.trans(dl), input_precision=DOT)
+            b_dl = _dot_exact(bb, tl.trans(dl), b_dl, EXACT_BC, False, DOT)
         dx += e_end[:, None] * b_dl
         tl.store(dx_ptr + xp, dx, mask=cp)
         dto_end = e_end * tl.sum(x * b_dl, 1)
@@ -413,6 +451,7 @@ def _intra_backward_state_kernel(
     N,
     HG,
     DOT: tl.constexpr,
+    EXACT_BC: tl.constexpr,
     BC: tl.constexpr,
     BP: tl.constexpr,
     BN: tl.constexpr,
@@ -429,8 +468,8 @@ def _intra_backward_state_kernel(
     cn = mc[:, None] & (on[None, :] < N)
     bn = group_chunk * C * N + oc[:, None] * N + on[None, :]
     dcb = tl.load(dcb_ptr + group_chunk * BC * BC + oc[:, None] * BC + oc[None, :])
-    tl.store(dc_ptr + bn, tl.dot(dcb, tl.load(b_ptr + bn, mask=cn, other=0.0), input_precision=DOT), mask=cn)
-    db = tl.dot(tl.trans(dcb), tl.load(c_ptr + bn, mask=cn, other=0.0), input_precision=DOT)
+    tl.store(dc_ptr + bn, _dot_exact(dcb, tl.load(b_ptr + bn, mask=cn, other=0.0), None, False, EXACT_BC, DOT), mask=cn)
+    db = _dot_exact(tl.trans(dcb), tl.load(c_ptr + bn, mask=cn, other=0.0), None, False, EXACT_BC, DOT)
     for hh in range(0, HG):
         hc = (group * HG + hh) * NC + chunk
         a = tl.load(a_ptr + hc * C + oc, mask=mc, other=0.0)
@@ -455,11 +494,12 @@ def intra_backward(
     dcum: torch.Tensor,
     *,
     head_slices: int | None = None,
+    bc_exact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``intra_forward``'s backward, with the log decays' other share: from its inputs x, a, b, c, the gradients
     of its outputs y, local and decay, and ``dcum`` ``[H, NC, C]`` (the gradient of ``cum_i = a_0 + ... + a_i``
     from the rest of the op), returns fp32 (dx, db ``[G, NC, C, N]``, dc ``[G, NC, C, N]``, da). ``head_slices``
-    as in ``intra_forward``."""
+    and ``bc_exact`` as in ``intra_forward``."""
     _check_intra(x, a, b, c)
     h, nc, cs, p = x.shape
     g, n = b.shape[0], b.shape[-1]
@@ -474,6 +514,7 @@ def intra_backward(
     bc, bp = max(16, next_power_of_2(cs)), max(16, next_power_of_2(p))
     dcb = f[0].new_empty(g, nc, slices, bc, bc)
     meta = dict(DOT=dot_precision(x.device), BC=bc, BP=bp, BN=_COLUMNS, num_warps=_WARPS)
+    meta["EXACT_BC"] = _exact_bc(x.device, bc_exact)
     launch(_intra_backward_heads_kernel, (g * nc * slices,), *f, dx, da, dcb, nc, cs, p, n, hg, per_slice, **meta)
     dcb = dcb.sum(2) if slices > 1 else dcb.view(g, nc, bc, bc)
     x_, a_, b_, c_, _, dlocal_, *_ = f
@@ -514,6 +555,7 @@ def _output_forward_kernel(
     N,
     HG,
     DOT: tl.constexpr,
+    EXACT_BC: tl.constexpr,
     BC: tl.constexpr,
     BP: tl.constexpr,
     BN: tl.constexpr,
@@ -534,7 +576,7 @@ def _output_forward_kernel(
             c_ptr + group_chunk * C * N + oc[:, None] * N + on[None, :], mask=mc[:, None] & mn[None, :], other=0.0
         )
         st = tl.load(states_ptr + hc * P * N + op[:, None] * N + on[None, :], mask=mp[:, None] & mn[None, :], other=0.0)
-        acc += tl.dot(cc, tl.trans(st), input_precision=DOT)
+        acc = _dot_exact(cc, tl.trans(st), acc, EXACT_BC, False, DOT)
     yp = hc * C * P + oc[:, None] * P + op[None, :]
     cp = mc[:, None] & mp[None, :]
     tl.store(out_ptr + yp, tl.load(y_ptr + yp, mask=cp, other=0.0) + acc * tl.exp(cum)[:, None], mask=cp)
@@ -552,6 +594,7 @@ def _output_backward_states_kernel(
     N,
     HG,
     DOT: tl.constexpr,
+    EXACT_BC: tl.constexpr,
     BC: tl.constexpr,
     BP: tl.constexpr,
     BN: tl.constexpr,
@@ -573,7 +616,7 @@ def _output_backward_states_kernel(
         cc = tl.load(
             c_ptr + group_chunk * C * N + oc[:, None] * N + on[None, :], mask=mc[:, None] & mn[None, :], other=0.0
         )
-        ds = tl.dot(dye_t, cc, input_precision=DOT)
+        ds = _dot_exact(dye_t, cc, None, False, EXACT_BC, DOT)
         tl.store(dstates_ptr + hc * P * N + op[:, None] * N + on[None, :], ds, mask=mp[:, None] & mn[None, :])
 
 
@@ -641,11 +684,13 @@ def _check_output(y: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: tor
         raise ValueError(f"expected states [H, NC, P, N] = {(h, nc, p, c.shape[-1])}, got {tuple(states.shape)}")
 
 
-def output_forward(y: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+def output_forward(
+    y: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: torch.Tensor, *, bc_exact: bool = False
+) -> torch.Tensor:
     """The chunked SSD scan's output, per head and chunk (heads grouped as ``[G, H // G]``): fp32 ``y + exp(cum)
     * (C states^T)`` ``[H, NC, C, P]`` for fp32 y ``[H, NC, C, P]`` (the intra-chunk part), a ``[H, NC, C]``
     (the log decays, ``cum`` their cumulative sum over the chunk), C ``[G, NC, C, N]`` and the states entering
-    each chunk ``[H, NC, P, N]``."""
+    each chunk ``[H, NC, P, N]``. ``bc_exact`` as in ``intra_forward`` (for C)."""
     _check_output(y, a, c, states)
     h, nc, cs, p = y.shape
     g, n = c.shape[0], c.shape[-1]
@@ -668,6 +713,7 @@ def output_forward(y: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: to
         n,
         h // g,
         DOT=dot_precision(y.device),
+        EXACT_BC=_exact_bc(y.device, bc_exact),
         BC=bc,
         BP=bp,
         BN=_COLUMNS,
@@ -677,11 +723,17 @@ def output_forward(y: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: to
 
 
 def output_backward(
-    dy: torch.Tensor, a: torch.Tensor, c: torch.Tensor, states: torch.Tensor, *, head_slices: int | None = None
+    dy: torch.Tensor,
+    a: torch.Tensor,
+    c: torch.Tensor,
+    states: torch.Tensor,
+    *,
+    head_slices: int | None = None,
+    bc_exact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``output_forward``'s backward but for y's gradient (dy itself): fp32 (dcum ``[H, NC, C]``, the gradient
     of ``cum``; dstates ``[H, NC, P, N]``; dc ``[G, NC, C, N]``, summed over the group's heads) from the output's
-    gradient dy and ``output_forward``'s a, c and states. ``head_slices`` as in ``intra_forward``."""
+    gradient dy and ``output_forward``'s a, c and states. ``head_slices`` and ``bc_exact`` as in ``intra_forward``."""
     _check_output(dy, a, c, states)
     h, nc, cs, p = dy.shape
     g, n = c.shape[0], c.shape[-1]
@@ -696,7 +748,22 @@ def output_backward(
     dcum, dc = dy.new_empty(blocks, h, nc, cs), dy.new_empty(g, nc, slices, cs, n)
     bc, bp = max(16, next_power_of_2(cs)), max(16, min(64, next_power_of_2(p)))
     meta = dict(DOT=dot_precision(dy.device), BC=bc, BP=bp, BN=_COLUMNS, num_warps=_WARPS)
-    launch(_output_backward_states_kernel, (h * nc * cdiv(p, bp),), dy, a, c, dstates, nc, cs, p, n, hg, **meta)
+    exact = _exact_bc(dy.device, bc_exact)
+    launch(
+        _output_backward_states_kernel,
+        (h * nc * cdiv(p, bp),),
+        dy,
+        a,
+        c,
+        dstates,
+        nc,
+        cs,
+        p,
+        n,
+        hg,
+        EXACT_BC=exact,
+        **meta,
+    )
     # dy's and the states' P columns 32 at a time here: 64 spills registers (sm90, 3xTF32)
     bp = max(16, min(_COLUMNS, bp))
     meta.update(BP=bp)

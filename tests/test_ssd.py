@@ -341,6 +341,46 @@ def test_intra_backward_matches_autograd(device, rng, h, groups, nc, c, p, n, sl
         assert_close_to(u, e, name)
 
 
+@pytest.mark.parametrize("h, groups, nc, c, p, n, slices", [INTRA_SHAPES[0], INTRA_SHAPES[2], INTRA_SHAPES[3]])
+def test_kernels_with_b_and_c_exact_in_tf32(device, rng, h, groups, nc, c, p, n, slices):
+    """B and C rounded to bf16 (as the op's 16-bit inputs reach the kernels): with ``bc_exact`` their products
+    skip 3xTF32's split. Every output of the intra-chunk and output kernels, forward and backward, against the torch
+    formulas as tightly as without it, and within 1e-6 of the kernels without it."""
+    from fastft.kernels import ssd as kernels
+
+    x, a, b, cm = intra_inputs(rng, h, groups, nc, c, p, n, device)
+    b, cm = (v.bfloat16().float() for v in (b, cm))
+    states = torch.randn(h, nc, p, n, generator=rng).to(device)
+    grads = [torch.randn(v.shape, generator=rng).to(device) for v in (x, states, a, a, x)]  # dy, dlocal, ...
+
+    def run(exact):
+        kw = dict(head_slices=slices, bc_exact=exact)
+        y, local, decay = kernels.intra_forward(x, a, b, cm, **kw)
+        out = kernels.output_forward(y, a, cm, states, bc_exact=exact)
+        back = kernels.intra_backward(x, a, b, cm, grads[0], grads[1], grads[2][..., 0], grads[3], **kw)
+        return (y, local, decay, out, *back, *kernels.output_backward(grads[4], a, cm, states, **kw))
+
+    names = ("y", "local", "decay", "out", "dx", "db", "dc", "da", "dcum", "dstates", "dc_out")
+    fast, full = run(True), run(False)
+    inputs = [v.detach().requires_grad_() for v in (x, a, b, cm)]
+    outs = (*intra_torch(*inputs), inputs[1].cumsum(-1))
+    want_back = torch.autograd.grad(outs, inputs, [grads[0], grads[1], grads[2][..., 0], grads[3]])
+    want = (
+        *outs[:3],
+        output_torch(fast[0], a, cm, states, grads[4])[0],
+        want_back[0],
+        want_back[2],
+        want_back[3],
+        want_back[1],
+        *output_torch(fast[0], a, cm, states, grads[4])[1:],
+    )
+    for name, u, e, f in zip(names, fast, want, full):
+        assert u.shape == e.shape and u.dtype == torch.float32, name
+        assert_close_to(u, e, name)
+        err, top = (u - f).abs().max().item(), f.abs().max().item()
+        assert err <= 1e-6 * top + 1e-7, f"{name}: {err:.3g} from the 3xTF32 kernels (largest {top:.3g})"
+
+
 @pytest.mark.parametrize("p, n, c", [(40, 72, 16), (8, 130, 64)])
 def test_intra_widths_and_groups(device, rng, p, n, c):
     """The op on its Triton intra-chunk path with head and state widths that are no power of two, and groups of
@@ -366,10 +406,12 @@ def test_backward_under_autocast_stays_fp32(device, rng):
 
 def test_intra_ops_pass_opcheck(device, rng):
     x, a, b, cm = intra_inputs(rng, 2, 1, 2, 4, 3, 5, device)
-    torch.library.opcheck(intra_forward_op.op, (x, a, b, cm))
-    y, local, decay = intra_forward_op(x, a, b, cm)
+    for exact in (False, True):
+        torch.library.opcheck(intra_forward_op.op, (x, a, b, cm, exact))
+    y, local, decay = intra_forward_op(x, a, b, cm, False)
     grads = [torch.randn(v.shape, generator=rng).to(device) for v in (y, local, decay, a)]
-    torch.library.opcheck(intra_backward_op.op, (x, a, b, cm, *grads))
+    for exact in (False, True):
+        torch.library.opcheck(intra_backward_op.op, (x, a, b, cm, *grads, exact))
 
 
 def output_torch(y, a, cm, states, dy):
@@ -419,8 +461,9 @@ def test_output_ops_pass_opcheck(device, rng):
     y, dy = (torch.randn(h, nc, c, p, generator=rng).to(device) for _ in range(2))
     a = -torch.rand(h, nc, c, generator=rng).to(device)
     cm, states = torch.randn(2, nc, c, n, generator=rng).to(device), torch.randn(h, nc, p, n, generator=rng).to(device)
-    torch.library.opcheck(output_forward_op.op, (y, a, cm, states))
-    torch.library.opcheck(output_backward_op.op, (dy, a, cm, states))
+    for exact in (False, True):
+        torch.library.opcheck(output_forward_op.op, (y, a, cm, states, exact))
+        torch.library.opcheck(output_backward_op.op, (dy, a, cm, states, exact))
 
 
 # ---- the tokens into the slots and back (the Triton path's glue) against the torch path's ------------------------
