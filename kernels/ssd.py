@@ -182,6 +182,7 @@ _COLUMNS = 32
 # included (docs/benchmarks.md, ssd and selective_scan), and Triton 3.6 builds 8 over 16-wide operands into wrong
 # results (seen in kernels/delta_rule.py's intra-chunk kernels).
 _WARPS = 4
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 def _default_head_slices(device: torch.device, programs: int, heads_per_group: int) -> int:
@@ -272,11 +273,11 @@ def _intra_forward_kernel(
     for hh in range(part * HS, tl.minimum(part * HS + HS, HG)):
         hc = (group * HG + hh) * NC + chunk  # this head's chunk
         a = tl.load(a_ptr + hc * C + oc, mask=mc, other=0.0)
-        seg = _segments(a, oc)
+        a2 = a * LOG2E  # exp(v) as exp2(v log2 e): one instruction
         x = tl.load(x_ptr + hc * C * P + oc[:, None] * P + op[None, :], mask=cp, other=0.0)
-        scores = tl.where(oc[:, None] >= oc[None, :], cb * tl.exp(seg), 0.0)
+        scores = tl.where(oc[:, None] >= oc[None, :], cb * tl.exp2(_segments(a2, oc)), 0.0)
         tl.store(y_ptr + hc * C * P + oc[:, None] * P + op[None, :], tl.dot(scores, x, input_precision=DOT), mask=cp)
-        xe = tl.trans(x * tl.exp(_to_end(a, oc, C))[:, None])  # [BP, BC]
+        xe = tl.trans(x * tl.exp2(_to_end(a2, oc, C))[:, None])  # [BP, BC]
         for n0 in range(0, N, BN):
             on = n0 + tl.arange(0, BN)
             bb = tl.load(b_ptr + rows + oc[:, None] * N + on[None, :], mask=mc[:, None] & (on[None, :] < N), other=0.0)
@@ -383,14 +384,14 @@ def _intra_backward_heads_kernel(
     BP: tl.constexpr,
     BN: tl.constexpr,
 ):
-    """dx and da of each head; the gradient of ``C B^T`` summed over the slice's heads (``dcb``, per slice)."""
+    """dx and da of each head; the gradient of ``C B^T`` summed over the slice's heads (``dcb``, per slice). ``BP``:
+    the P columns of x, dy and dx taken at a time."""
     pid = tl.program_id(0).to(tl.int64)  # over G * NC * slices
     slices = (HG + HS - 1) // HS
     group_chunk, part = pid // slices, pid % slices
     group, chunk = group_chunk // NC, group_chunk % NC
-    oc, op = tl.arange(0, BC), tl.arange(0, BP)
+    oc = tl.arange(0, BC)
     mc = oc < C
-    cp = mc[:, None] & (op[None, :] < P)
     lower = oc[:, None] >= oc[None, :]
     rows = group_chunk * C * N
     cb = _c_bt(b_ptr, c_ptr, rows, oc, mc, N, DOT, EXACT_BC, BC, BN)
@@ -399,34 +400,48 @@ def _intra_backward_heads_kernel(
         hc = (group * HG + hh) * NC + chunk
         a = tl.load(a_ptr + hc * C + oc, mask=mc, other=0.0)
         decays = tl.where(lower, tl.exp(_segments(a, oc)), 0.0)
-        e_end = tl.exp(_to_end(a, oc, C))
-        xp = hc * C * P + oc[:, None] * P + op[None, :]
-        x = tl.load(x_ptr + xp, mask=cp, other=0.0)
-        dy = tl.load(dy_ptr + xp, mask=cp, other=0.0)
-        scores = cb * decays
-        # y = scores x, scores = (C B^T) * exp(seg) on j <= i
-        dx = tl.dot(tl.trans(scores), dy, input_precision=DOT)
-        dscores = tl.where(lower, tl.dot(dy, tl.trans(x), input_precision=DOT), 0.0)
+        xh = x_ptr + hc * C * P
+        dyh = dy_ptr + hc * C * P
+        # y = scores x, scores = (C B^T) * exp(seg) on j <= i; x, dy and dx BP of their P columns at a time (fewer
+        # live tiles than whole rows)
+        dscores = tl.zeros((BC, BC), dtype=tl.float32)
+        for p0 in range(0, P, BP):
+            op = p0 + tl.arange(0, BP)
+            m = mc[:, None] & (op[None, :] < P)
+            xb = tl.load(xh + oc[:, None] * P + op[None, :], mask=m, other=0.0)
+            dyb = tl.load(dyh + oc[:, None] * P + op[None, :], mask=m, other=0.0)
+            dscores = tl.dot(dyb, tl.trans(xb), dscores, input_precision=DOT)
+        dscores = tl.where(lower, dscores, 0.0)
         dcb += dscores * decays
+        scores = cb * decays
         dseg = dscores * scores
-        # local = (x * e_end)^T B, e_end_j = exp(a_{j+1} + ... + a_last): B dlocal^T [BC, BP], N columns in blocks
-        b_dl = tl.zeros((BC, BP), dtype=tl.float32)
-        for n0 in range(0, N, BN):
-            on = n0 + tl.arange(0, BN)
-            bb = tl.load(b_ptr + rows + oc[:, None] * N + on[None, :], mask=mc[:, None] & (on[None, :] < N), other=0.0)
-            dl = tl.load(
-                dlocal_ptr + hc * P * N + op[:, None] * N + on[None, :],
-                mask=(op[:, None] < P) & (on[None, :] < N),
-                other=0.0,
-            )
-            b_dl = _dot_exact(bb, tl.trans(dl), b_dl, EXACT_BC, False, DOT)
-        dx += e_end[:, None] * b_dl
-        tl.store(dx_ptr + xp, dx, mask=cp)
-        dto_end = e_end * tl.sum(x * b_dl, 1)
         # da_k: seg[i, j] holds a_k for j < k <= i; to_end_j for j < k; the chunk's decay and cum_i (the output's
         # share from the entering state, dcum) every a_k with k <= i.
         before = tl.cumsum(dseg, 1) - dseg  # [i, k]: the sum of dseg[i, j] over j < k
         da = tl.sum(tl.where(lower, before, 0.0), 0)
+        # local = (x * e_end)^T B, e_end_j = exp(a_{j+1} + ... + a_last): B dlocal^T [BC, BP], N columns in blocks
+        e_end = tl.exp(_to_end(a, oc, C))
+        dto_end = tl.zeros((BC,), dtype=tl.float32)
+        for p0 in range(0, P, BP):
+            op = p0 + tl.arange(0, BP)
+            m = mc[:, None] & (op[None, :] < P)
+            xb = tl.load(xh + oc[:, None] * P + op[None, :], mask=m, other=0.0)
+            dyb = tl.load(dyh + oc[:, None] * P + op[None, :], mask=m, other=0.0)
+            b_dl = tl.zeros((BC, BP), dtype=tl.float32)
+            for n0 in range(0, N, BN):
+                on = n0 + tl.arange(0, BN)
+                bb = tl.load(
+                    b_ptr + rows + oc[:, None] * N + on[None, :], mask=mc[:, None] & (on[None, :] < N), other=0.0
+                )
+                dl = tl.load(
+                    dlocal_ptr + hc * P * N + op[:, None] * N + on[None, :],
+                    mask=(op[:, None] < P) & (on[None, :] < N),
+                    other=0.0,
+                )
+                b_dl = _dot_exact(bb, tl.trans(dl), b_dl, EXACT_BC, False, DOT)
+            dx = tl.dot(tl.trans(scores), dyb, e_end[:, None] * b_dl, input_precision=DOT)
+            tl.store(dx_ptr + hc * C * P + oc[:, None] * P + op[None, :], dx, mask=m)
+            dto_end += e_end * tl.sum(xb * b_dl, 1)
         da += tl.cumsum(dto_end, 0) - dto_end
         da += tl.load(ddecay_ptr + hc) * tl.exp(tl.sum(a, 0))
         dcum = tl.load(dcum_ptr + hc * C + oc, mask=mc, other=0.0)
@@ -515,7 +530,9 @@ def intra_backward(
     dcb = f[0].new_empty(g, nc, slices, bc, bc)
     meta = dict(DOT=dot_precision(x.device), BC=bc, BP=bp, BN=_COLUMNS, num_warps=_WARPS)
     meta["EXACT_BC"] = _exact_bc(x.device, bc_exact)
-    launch(_intra_backward_heads_kernel, (g * nc * slices,), *f, dx, da, dcb, nc, cs, p, n, hg, per_slice, **meta)
+    # the heads kernel takes P 32 columns at a time: fewer live tiles, fewer spills (faster on sm90)
+    heads_meta = {**meta, "BP": min(bp, 32)}
+    launch(_intra_backward_heads_kernel, (g * nc * slices,), *f, dx, da, dcb, nc, cs, p, n, hg, per_slice, **heads_meta)
     dcb = dcb.sum(2) if slices > 1 else dcb.view(g, nc, bc, bc)
     x_, a_, b_, c_, _, dlocal_, *_ = f
     launch(
