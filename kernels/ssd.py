@@ -360,7 +360,7 @@ def intra_forward(
 
 
 @triton.jit
-def _intra_backward_heads_kernel(
+def _intra_backward_dx_kernel(
     x_ptr,
     a_ptr,
     b_ptr,
@@ -370,6 +370,73 @@ def _intra_backward_heads_kernel(
     ddecay_ptr,
     dcum_ptr,
     dx_ptr,
+    da_ptr,
+    NC,
+    C,
+    P,
+    N,
+    HG,
+    HS,
+    DOT: tl.constexpr,
+    EXACT_BC: tl.constexpr,
+    BC: tl.constexpr,
+    BP: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """dx of each head of the slice, and the share of da that does not go through ``scores`` (``da`` is written
+    here and completed by ``_intra_backward_dcb_kernel``). ``BP``: the P columns of x, dy and dx taken at a time."""
+    pid = tl.program_id(0).to(tl.int64)  # over G * NC * slices
+    slices = (HG + HS - 1) // HS
+    group_chunk, part = pid // slices, pid % slices
+    group, chunk = group_chunk // NC, group_chunk % NC
+    oc = tl.arange(0, BC)
+    mc = oc < C
+    rows = group_chunk * C * N
+    cb = _c_bt(b_ptr, c_ptr, rows, oc, mc, N, DOT, EXACT_BC, BC, BN)
+    for hh in range(part * HS, tl.minimum(part * HS + HS, HG)):
+        hc = (group * HG + hh) * NC + chunk
+        a = tl.load(a_ptr + hc * C + oc, mask=mc, other=0.0)
+        # y = scores x, scores = (C B^T) * exp(seg) on j <= i
+        scores = tl.where(oc[:, None] >= oc[None, :], cb * tl.exp(_segments(a, oc)), 0.0)
+        # local = (x * e_end)^T B, e_end_j = exp(a_{j+1} + ... + a_last): B dlocal^T [BC, BP], N columns in blocks
+        e_end = tl.exp(_to_end(a, oc, C))
+        dto_end = tl.zeros((BC,), dtype=tl.float32)
+        for p0 in range(0, P, BP):
+            op = p0 + tl.arange(0, BP)
+            m = mc[:, None] & (op[None, :] < P)
+            xp = hc * C * P + oc[:, None] * P + op[None, :]
+            x = tl.load(x_ptr + xp, mask=m, other=0.0)
+            dy = tl.load(dy_ptr + xp, mask=m, other=0.0)
+            b_dl = tl.zeros((BC, BP), dtype=tl.float32)
+            for n0 in range(0, N, BN):
+                on = n0 + tl.arange(0, BN)
+                bb = tl.load(
+                    b_ptr + rows + oc[:, None] * N + on[None, :], mask=mc[:, None] & (on[None, :] < N), other=0.0
+                )
+                dl = tl.load(
+                    dlocal_ptr + hc * P * N + op[:, None] * N + on[None, :],
+                    mask=(op[:, None] < P) & (on[None, :] < N),
+                    other=0.0,
+                )
+                b_dl = _dot_exact(bb, tl.trans(dl), b_dl, EXACT_BC, False, DOT)
+            tl.store(dx_ptr + xp, tl.dot(tl.trans(scores), dy, e_end[:, None] * b_dl, input_precision=DOT), mask=m)
+            dto_end += e_end * tl.sum(x * b_dl, 1)
+        # da_k: to_end_j holds a_k for j < k; the chunk's decay and cum_i (the output's share from the entering
+        # state, dcum) every a_k with k <= i.
+        da = tl.cumsum(dto_end, 0) - dto_end
+        da += tl.load(ddecay_ptr + hc) * tl.exp(tl.sum(a, 0))
+        dcum = tl.load(dcum_ptr + hc * C + oc, mask=mc, other=0.0)
+        da += tl.sum(dcum, 0) - tl.cumsum(dcum, 0) + dcum
+        tl.store(da_ptr + hc * C + oc, da, mask=mc)
+
+
+@triton.jit
+def _intra_backward_dcb_kernel(
+    x_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    dy_ptr,
     da_ptr,
     dcb_ptr,
     NC,
@@ -384,8 +451,8 @@ def _intra_backward_heads_kernel(
     BP: tl.constexpr,
     BN: tl.constexpr,
 ):
-    """dx and da of each head; the gradient of ``C B^T`` summed over the slice's heads (``dcb``, per slice). ``BP``:
-    the P columns of x, dy and dx taken at a time."""
+    """The gradient of ``C B^T`` summed over the slice's heads (``dcb``, per slice), and each head's share of da
+    through ``scores``, added to what ``_intra_backward_dx_kernel`` wrote."""
     pid = tl.program_id(0).to(tl.int64)  # over G * NC * slices
     slices = (HG + HS - 1) // HS
     group_chunk, part = pid // slices, pid % slices
@@ -400,52 +467,19 @@ def _intra_backward_heads_kernel(
         hc = (group * HG + hh) * NC + chunk
         a = tl.load(a_ptr + hc * C + oc, mask=mc, other=0.0)
         decays = tl.where(lower, tl.exp(_segments(a, oc)), 0.0)
-        xh = x_ptr + hc * C * P
-        dyh = dy_ptr + hc * C * P
-        # y = scores x, scores = (C B^T) * exp(seg) on j <= i; x, dy and dx BP of their P columns at a time (fewer
-        # live tiles than whole rows)
-        dscores = tl.zeros((BC, BC), dtype=tl.float32)
+        dscores = tl.zeros((BC, BC), dtype=tl.float32)  # dy x^T, P in blocks
         for p0 in range(0, P, BP):
             op = p0 + tl.arange(0, BP)
             m = mc[:, None] & (op[None, :] < P)
-            xb = tl.load(xh + oc[:, None] * P + op[None, :], mask=m, other=0.0)
-            dyb = tl.load(dyh + oc[:, None] * P + op[None, :], mask=m, other=0.0)
-            dscores = tl.dot(dyb, tl.trans(xb), dscores, input_precision=DOT)
+            x = tl.load(x_ptr + hc * C * P + oc[:, None] * P + op[None, :], mask=m, other=0.0)
+            dy = tl.load(dy_ptr + hc * C * P + oc[:, None] * P + op[None, :], mask=m, other=0.0)
+            dscores = tl.dot(dy, tl.trans(x), dscores, input_precision=DOT)
         dscores = tl.where(lower, dscores, 0.0)
         dcb += dscores * decays
-        scores = cb * decays
-        dseg = dscores * scores
-        # da_k: seg[i, j] holds a_k for j < k <= i; to_end_j for j < k; the chunk's decay and cum_i (the output's
-        # share from the entering state, dcum) every a_k with k <= i.
+        dseg = dscores * (cb * decays)
+        # da_k: seg[i, j] holds a_k for j < k <= i
         before = tl.cumsum(dseg, 1) - dseg  # [i, k]: the sum of dseg[i, j] over j < k
-        da = tl.sum(tl.where(lower, before, 0.0), 0)
-        # local = (x * e_end)^T B, e_end_j = exp(a_{j+1} + ... + a_last): B dlocal^T [BC, BP], N columns in blocks
-        e_end = tl.exp(_to_end(a, oc, C))
-        dto_end = tl.zeros((BC,), dtype=tl.float32)
-        for p0 in range(0, P, BP):
-            op = p0 + tl.arange(0, BP)
-            m = mc[:, None] & (op[None, :] < P)
-            xb = tl.load(xh + oc[:, None] * P + op[None, :], mask=m, other=0.0)
-            dyb = tl.load(dyh + oc[:, None] * P + op[None, :], mask=m, other=0.0)
-            b_dl = tl.zeros((BC, BP), dtype=tl.float32)
-            for n0 in range(0, N, BN):
-                on = n0 + tl.arange(0, BN)
-                bb = tl.load(
-                    b_ptr + rows + oc[:, None] * N + on[None, :], mask=mc[:, None] & (on[None, :] < N), other=0.0
-                )
-                dl = tl.load(
-                    dlocal_ptr + hc * P * N + op[:, None] * N + on[None, :],
-                    mask=(op[:, None] < P) & (on[None, :] < N),
-                    other=0.0,
-                )
-                b_dl = _dot_exact(bb, tl.trans(dl), b_dl, EXACT_BC, False, DOT)
-            dx = tl.dot(tl.trans(scores), dyb, e_end[:, None] * b_dl, input_precision=DOT)
-            tl.store(dx_ptr + hc * C * P + oc[:, None] * P + op[None, :], dx, mask=m)
-            dto_end += e_end * tl.sum(xb * b_dl, 1)
-        da += tl.cumsum(dto_end, 0) - dto_end
-        da += tl.load(ddecay_ptr + hc) * tl.exp(tl.sum(a, 0))
-        dcum = tl.load(dcum_ptr + hc * C + oc, mask=mc, other=0.0)
-        da += tl.sum(dcum, 0) - tl.cumsum(dcum, 0) + dcum
+        da = tl.load(da_ptr + hc * C + oc, mask=mc, other=0.0) + tl.sum(tl.where(lower, before, 0.0), 0)
         tl.store(da_ptr + hc * C + oc, da, mask=mc)
     tl.store(dcb_ptr + pid * BC * BC + oc[:, None] * BC + oc[None, :], dcb)
 
@@ -530,11 +564,29 @@ def intra_backward(
     dcb = f[0].new_empty(g, nc, slices, bc, bc)
     meta = dict(DOT=dot_precision(x.device), BC=bc, BP=bp, BN=_COLUMNS, num_warps=_WARPS)
     meta["EXACT_BC"] = _exact_bc(x.device, bc_exact)
-    # the heads kernel takes P 32 columns at a time: fewer live tiles, fewer spills (faster on sm90)
+    # per head two kernels, P 32 columns at a time: fewer live tiles, fewer spills (faster on sm90)
     heads_meta = {**meta, "BP": min(bp, 32)}
-    launch(_intra_backward_heads_kernel, (g * nc * slices,), *f, dx, da, dcb, nc, cs, p, n, hg, per_slice, **heads_meta)
+    launch(_intra_backward_dx_kernel, (g * nc * slices,), *f, dx, da, nc, cs, p, n, hg, per_slice, **heads_meta)
+    x_, a_, b_, c_, dy_, dlocal_, *_ = f
+    launch(
+        _intra_backward_dcb_kernel,
+        (g * nc * slices,),
+        x_,
+        a_,
+        b_,
+        c_,
+        dy_,
+        da,
+        dcb,
+        nc,
+        cs,
+        p,
+        n,
+        hg,
+        per_slice,
+        **heads_meta,
+    )
     dcb = dcb.sum(2) if slices > 1 else dcb.view(g, nc, bc, bc)
-    x_, a_, b_, c_, _, dlocal_, *_ = f
     launch(
         _intra_backward_state_kernel,
         (g * nc * cdiv(n, _COLUMNS),),
