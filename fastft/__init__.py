@@ -21,6 +21,7 @@ from .conv import packed_conv1d  # noqa: E402
 from .delta_rule import gated_delta_rule  # noqa: E402
 from .expert_parallel import moe_expert_parallel  # noqa: E402
 from .graphs import graphed_checkpoint  # noqa: E402
+from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from .lora import lora_linear  # noqa: E402
 from .offload import OffloadConfig, offloaded_checkpoint  # noqa: E402
 from .packing import PackedSeqInfo, document_mask_mod, packed_seq_info  # noqa: E402
@@ -47,6 +48,7 @@ __all__ = [
     "moe_expert_rows",
     "moe_expert_parallel",
     "swiglu",
+    "linear_cross_entropy",
     "copy",
     "OffloadConfig",
     "offloaded_checkpoint",

@@ -2,7 +2,7 @@
 experts blocks from fastft, through transformers' own registries (no model code copied or edited).
 
     from fastft.integrations.transformers import apply
-    model = apply(model)   # packing=True, offload_checkpointing=True, moe=True
+    model = apply(model)   # packing, offloaded checkpointing, MoE experts, LoRA and the loss: all on
 
 One concern per module, each recording its own undo in the model's ``ModelState``
 (``fastft.integrations.models``), which ``revert`` runs last first:
@@ -20,6 +20,9 @@ One concern per module, each recording its own undo in the model's ``ModelState`
 - ``memory``: ``use_memory_plan(model, memory_budget)``: per checkpointed layer keep, selective, recompute
   or offload, planned from the first step's measurements to fit the budget in the least time
   (``fastft.memory_plan``); ``memory_plan(model)`` the plan in force.
+- ``loss``: ``use_linear_cross_entropy(model)``: a training forward's causal-LM loss through
+  ``fastft.linear_cross_entropy`` (no logits of all tokens at once); the model's own loss, with a warning
+  naming why, where that would not be exact.
 - LoRA: PEFT LoRA linear layers through ``fastft.lora.lora_linear`` (``fastft.integrations.peft``).
 
 transformers (5.x; tested with 5.17) is imported only by the functions here.
@@ -51,6 +54,7 @@ from .experts import ExpertShard as ExpertShard
 from .experts import experts_forward as experts_forward
 from .experts import register as register
 from .experts import use_moe
+from .loss import use_linear_cross_entropy
 from .memory import memory_plan, memory_planner, use_memory_plan
 from .mixers import check_packing, packing_blockers
 
@@ -62,6 +66,7 @@ __all__ = [
     "use_moe",
     "enable_gradient_checkpointing",
     "use_memory_plan",
+    "use_linear_cross_entropy",
     "memory_plan",
     "memory_planner",
     "use_expert_parallel",
@@ -81,6 +86,7 @@ def apply(
     offload_checkpointing: bool = True,
     moe: bool = True,
     lora: bool = True,
+    loss: bool = True,
     graphs: bool | str = False,
     memory_budget=None,
     max_tokens: int | None = None,
@@ -90,7 +96,9 @@ def apply(
     ``fastft.offloaded_checkpoint`` (kept through later ``gradient_checkpointing_enable`` calls, e.g. by
     ``Trainer``); ``moe``: ``use_moe`` when the model has experts blocks (Liger-Kernel's included);
     ``lora``: ``fastft.integrations.peft.use_lora`` when it has PEFT LoRA layers (so call ``apply`` after
-    ``peft.get_peft_model``); ``graphs``: each checkpointed layer replayed as CUDA graphs
+    ``peft.get_peft_model``); ``loss``: ``use_linear_cross_entropy``: a training forward with labels computes
+    its causal-LM loss without every token's logits, and returns ``logits=None`` (a model whose loss that
+    would change keeps its own, with a warning); ``graphs``: each checkpointed layer replayed as CUDA graphs
     (``fastft.graphs.graphed_checkpoint``; needs ``offload_checkpointing``), ``"auto"``: only the layers
     whose eager forward is launch-bound (its ``policy="auto"``); ``memory_budget``: None (every checkpointed
     layer recomputes, its input offloaded), or the memory a step may use: bytes (an int), a fraction of the
@@ -102,7 +110,8 @@ def apply(
     ``memory_budget`` or ``max_tokens``."""
     transformers_model(model)
     versions.check_version()
-    for name, value in dict(packing=packing, offload_checkpointing=offload_checkpointing, moe=moe, lora=lora).items():
+    switches = dict(packing=packing, offload_checkpointing=offload_checkpointing, moe=moe, lora=lora, loss=loss)
+    for name, value in switches.items():
         bool_arg(name, value)
     graphs_arg(graphs)
     if memory_budget is not None:
@@ -135,6 +144,8 @@ def apply(
             ft_peft.use_lora(model)
             if "lora" not in state.records:
                 state.add("lora", None, functools.partial(ft_peft.revert_lora, inner))
+        if loss:
+            use_linear_cross_entropy(model)
         if offload_checkpointing:
             enable_gradient_checkpointing(model, graphs=graphs)
         if memory_budget is not None:

@@ -1,0 +1,212 @@
+"""A causal LM's training loss through ``fastft.linear_cross_entropy``: ``use_linear_cross_entropy(model)``.
+
+transformers' causal-LM forward computes ``logits = self.lm_head(hidden_states[:, slice_indices, :])`` for
+every token, then ``self.loss_function(logits=logits, labels=labels, ...)`` (``ForCausalLMLoss``: fp32
+logits, labels shifted by one token, mean or sum over ``num_items_in_batch``). In a training forward with
+labels (train mode, grad on, no KV cache), fastft's forward wrapper has the head hand its input on instead of
+the logits, and the loss function computes ``ForCausalLMLoss`` from it through ``linear_cross_entropy``: the
+logits of all tokens never exist at once. That forward's output has ``logits=None`` (the loss is all a
+training step reads; Liger-Kernel's fused loss does the same). Any other forward (no labels, eval mode,
+``no_grad``, generation) runs as it would without ``apply``, logits included.
+
+The forward wrapper is an instance attribute (PEFT's tuner calls ``model.forward`` itself, past any hook).
+A model it cannot serve exactly keeps its own loss, with a warning that says why: a forward that changes
+the logits between the head and the loss (Gemma's soft-capping, Granite's and Cohere's scaling), a head
+that is not a plain ``nn.Linear`` (a PEFT adapter or a quantized head), a config vocabulary that is not the
+head's, a loss function other than ``ForCausalLMLoss``. ``revert`` undoes it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import warnings
+import weakref
+
+import torch
+
+from ...linear_cross_entropy import linear_cross_entropy
+from ..models import model_state, stepping_aside, transformers_model
+from . import versions
+
+PENDING = "_fastft_loss_pending"  # in the model's __dict__ during a fused forward: its _Pending
+
+# What a causal-LM forward may do between its head and its loss for the fused loss to be exact (whitespace
+# collapsed): nothing, or an fp32 copy of the logits (exact), or the head's input cast to its dtype first.
+_HEAD = (
+    r"logits = self\.lm_head\(hidden_states(?:\[:, slice_indices, :\])?"
+    r"(?:\.to\((?:dtype=)?self\.lm_head\.weight\.dtype\))?\)"
+)
+_BETWEEN = re.compile(_HEAD + r"(?:\.float\(\))? loss = None if labels is not None: loss =$")
+
+
+class _Pending:
+    """One fused forward: the head's input, once the head has run, and whether the loss took it."""
+
+    __slots__ = ("hidden", "used")
+
+    def __init__(self):
+        self.hidden = None
+        self.used = False
+
+
+def _forward_source(cls) -> str | None:
+    try:
+        return inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return None
+
+
+def blocker(model) -> str | None:
+    """Why ``model``'s loss cannot go through ``linear_cross_entropy`` exactly (None if it can)."""
+    inner = transformers_model(model)
+    name = type(inner).__name__
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if head is None:
+        return f"{name} has no output head"
+    if type(head) is not torch.nn.Linear:
+        return f"{name}'s head is a {type(head).__name__}, not a plain nn.Linear (a PEFT adapter or a quantized head)"
+    source = _forward_source(type(inner))
+    start = -1 if source is None else source.find("logits = self.lm_head(")
+    end = -1 if start < 0 else source.find("self.loss_function(", start)
+    if end < 0:
+        return f"{name}'s forward does not compute its loss with self.loss_function from self.lm_head's logits"
+    between = " ".join(source[start:end].split())
+    if not _BETWEEN.match(between):
+        return f"{name}'s forward changes the logits between its head and its loss ({between[:120]}...)"
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    if inner.loss_function is not LOSS_MAPPING["ForCausalLM"]:
+        loss = getattr(inner.loss_function, "__name__", inner.loss_function)
+        return f"{name}'s loss function is {loss}, not ForCausalLMLoss"
+    config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
+    vocab = getattr(config, "vocab_size", None)
+    if vocab != head.out_features:
+        return f"{name}'s config.vocab_size {vocab} is not its head's {head.out_features} rows"
+    return None
+
+
+def _without_logits(output):
+    """``output`` as the forward would return it with ``logits=None`` (a ``ModelOutput`` leaves out a None
+    field; a tuple is ``(loss, logits, ...)``)."""
+    if isinstance(output, tuple):
+        return output[:1] + output[2:]
+    return type(output)(**{key: value for key, value in output.items() if key != "logits"})
+
+
+def _labels(signature: inspect.Signature, args, kwargs):
+    if "labels" in kwargs or not args:
+        return kwargs.get("labels")
+    try:
+        return signature.bind_partial(*args, **kwargs).arguments.get("labels")
+    except TypeError:
+        return None
+
+
+def use_linear_cross_entropy(model) -> bool:
+    """Route ``model``'s training loss through ``linear_cross_entropy`` (see the module docstring); returns
+    whether it did (a model it cannot serve exactly warns and keeps its own). Once per model."""
+    inner = transformers_model(model)
+    state = model_state(inner)
+    if "loss" in state.records:
+        return state.records["loss"]
+    why = blocker(inner)
+    if why is not None:
+        warnings.warn(
+            f"fastft keeps the model's own loss ({why}): its forward computes the loss as it would without apply",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        state.add("loss", False, lambda: None)
+        return False
+    head = inner.get_output_embeddings()
+    original_loss = inner.loss_function
+    had_loss = "_loss_function" in inner.__dict__
+    own_forward = inner.__dict__.get("forward")
+    head_forward = head.__dict__.get("forward")
+    signature = inspect.signature(own_forward or type(inner).forward.__get__(inner))  # without self
+    ref = weakref.ref(inner)  # what the model holds refers to it weakly: no cycle keeps a dropped model alive
+
+    def forward(*args, **kwargs):
+        model = ref()
+        return own_forward(*args, **kwargs) if own_forward is not None else type(model).forward(model, *args, **kwargs)
+
+    def fused_head(hidden):
+        pending = ref().__dict__.get(PENDING)
+        if pending is None or pending.hidden is not None:
+            return type(head).forward(head, hidden)
+        pending.hidden = hidden
+        return hidden
+
+    def fused_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
+        pending = ref().__dict__.get(PENDING)
+        if pending is None or pending.hidden is None:
+            return original_loss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+        hidden = pending.hidden
+        if logits.shape != hidden.shape:
+            raise RuntimeError(
+                f"fastft's fused loss got {tuple(logits.shape)} where the head's input {tuple(hidden.shape)} was "
+                "expected: apply(model, loss=False) keeps the model's own loss"
+            )
+        if shift_labels is None:
+            labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+            shift_labels = labels[..., 1:]
+        loss = linear_cross_entropy(
+            hidden,
+            head.weight,
+            shift_labels.to(hidden.device),
+            head.bias,
+            ignore_index=ignore_index,
+            reduction="sum" if num_items_in_batch is not None else "mean",
+        )
+        if num_items_in_batch is not None:
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(loss.device)
+            loss = loss / num_items_in_batch
+        pending.used = True
+        return loss
+
+    @functools.wraps(own_forward or type(inner).forward)
+    def fused_forward(*args, **kwargs):
+        model = ref()
+        if (
+            not model.training
+            or not torch.is_grad_enabled()
+            or stepping_aside()
+            or PENDING in model.__dict__
+            or versions.cache_of(kwargs) is not None
+            or _labels(signature, args, kwargs) is None
+        ):
+            return forward(*args, **kwargs)
+        pending = model.__dict__[PENDING] = _Pending()
+        try:
+            output = forward(*args, **kwargs)
+        finally:
+            model.__dict__.pop(PENDING, None)
+        if pending.hidden is None:
+            return output  # the head did not run (a forward that returns no logits)
+        if not pending.used:
+            raise RuntimeError(
+                f"{type(model).__name__}'s head ran but its loss did not take fastft's fused path; "
+                "apply(model, loss=False) keeps the model's own loss"
+            )
+        return _without_logits(output)
+
+    head.forward = fused_head
+    inner.loss_function = fused_loss
+    inner.forward = fused_forward
+
+    def undo():
+        for module, name, value in ((head, "forward", head_forward), (inner, "forward", own_forward)):
+            if value is None:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = value
+        if had_loss:
+            inner._loss_function = original_loss
+        else:
+            inner.__dict__.pop("_loss_function", None)
+
+    state.add("loss", True, undo)
+    return True
