@@ -71,7 +71,7 @@ def cmd_check(args) -> int:
                 failures[name] += 1
                 print(f"MISMATCH in {name}: {e}")
     for name in selfcheck.CHECKS:
-        print(f"  {name:12s} {runs[name]:4d} cases, {failures[name]} failures")
+        print(f"  {name:20s} {runs[name]:4d} cases, {failures[name]} failures")
     print(f"{sum(runs.values())} cases, {sum(failures.values())} failures")
     return 1 if failures else 0
 

@@ -96,7 +96,7 @@ def linear_cross_entropy_op(
     scale = (1.0 / labelled.float()) if mean else torch.ones((), device=hidden.device)
     scale = scale.to(torch.float32)
     grad = grad_hidden or grad_weight or grad_bias
-    dh = torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0)
+    dh = hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(0)
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad_weight else None
     db = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if grad_bias else None
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -131,8 +131,8 @@ def linear_cross_entropy_op(
 def _(hidden, weight, bias, labels, ignore_index, mean, rows_per_block, grad_hidden, grad_weight, grad_bias, backend):
     return (
         hidden.new_empty((), dtype=torch.float32),
-        torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0),
-        torch.empty_like(weight) if grad_weight else hidden.new_empty(0),
+        hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(0),
+        weight.new_empty(weight.shape) if grad_weight else hidden.new_empty(0),
         torch.empty_like(bias) if grad_bias else hidden.new_empty(0),
     )
 

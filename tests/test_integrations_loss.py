@@ -120,9 +120,28 @@ def test_a_model_it_cannot_serve_warns_and_keeps_its_loss():
     assert out.logits is not None and out.loss is not None
 
 
+def test_a_deep_copy_runs_its_own_weights():
+    """A reference model copied after apply (TRL's) computes with its own weights, not the original's."""
+    import copy
+
+    ids, labels = batch()
+    want = step(tiny_hf_model("llama"), ids, labels)
+    model = ft_hf.apply(tiny_hf_model("llama"), offload_checkpointing=False)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3)
+        model.model.embed_tokens.weight.mul_(2)
+    got = step(twin, ids, labels)
+    assert got[0].logits is None
+    assert_same_step(got, want)
+
+
 def test_heads_and_losses_it_leaves_alone():
     model = tiny_hf_model("llama")
     model.loss_function = lambda *a, **k: 0
+    assert "loss function set on the instance" in ft_loss.blocker(model)
+    model = tiny_hf_model("llama")
+    model.loss_type = "ForMaskedLM"
     assert "not ForCausalLMLoss" in ft_loss.blocker(model)
     model = tiny_hf_model("llama")
     model.lm_head = torch.nn.Sequential(model.lm_head)
@@ -130,6 +149,9 @@ def test_heads_and_losses_it_leaves_alone():
     model = tiny_hf_model("llama")
     model.config.vocab_size = 100
     assert "is not its head's 128 rows" in ft_loss.blocker(model)
+    model = tiny_hf_model("llama")
+    model.forward = model.forward  # another library's instance patch
+    assert "forward set on the instance" in ft_loss.blocker(model)
 
 
 def test_revert_and_loss_false():

@@ -166,6 +166,14 @@ def test_kernel_rows_match_their_formula(device, rng):
     assert torch.equal(logits, x)  # no gradient asked: the logits untouched
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_custom_op_opcheck(backend, device, rng):
+    h, w, b, y = _inputs(rng, 9, 8, 21, torch.float32, device)
+    for needs in ((True, True, True), (True, False, False), (False, False, False)):
+        args = (h.detach(), w.detach(), b.detach(), y, -100, True, 4, *needs, backend)
+        torch.library.opcheck(lce.linear_cross_entropy_op.op, args)
+
+
 def test_block_rows():
     assert lce.block_rows(16384, 151936, 4096) == 512  # Qwen3-8B: ~37 blocks of the hidden's size
     assert lce.block_rows(100, 151936, 4096) == 100  # fewer rows than the least block

@@ -9,11 +9,13 @@ logits of all tokens never exist at once. That forward's output has ``logits=Non
 training step reads; Liger-Kernel's fused loss does the same). Any other forward (no labels, eval mode,
 ``no_grad``, generation) runs as it would without ``apply``, logits included.
 
-The forward wrapper is an instance attribute (PEFT's tuner calls ``model.forward`` itself, past any hook).
-A model it cannot serve exactly keeps its own loss, with a warning that says why: a forward that changes
-the logits between the head and the loss (Gemma's soft-capping, Granite's and Cohere's scaling), a head
-that is not a plain ``nn.Linear`` (a PEFT adapter or a quantized head), a config vocabulary that is not the
-head's, a loss function other than ``ForCausalLMLoss``. ``revert`` undoes it.
+The model's forward, its head's and its ``loss_function`` are bound methods set on the instances (PEFT's tuner
+calls ``model.forward`` itself, past any hook; a deep copy of the model binds them to the copy). A model it
+cannot serve exactly keeps its own loss, with a warning that says why: a forward that changes the logits
+between the head and the loss (Gemma's soft-capping, Granite's and Cohere's scaling), a head that is not a
+plain ``nn.Linear`` (a PEFT adapter or a quantized head), a config vocabulary that is not the head's, a loss
+function other than ``ForCausalLMLoss``, a forward or loss function already set on the instance by another
+library. ``revert`` undoes it.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import types
 import warnings
-import weakref
 
 import torch
 
@@ -30,7 +32,7 @@ from ...linear_cross_entropy import linear_cross_entropy
 from ..models import model_state, stepping_aside, transformers_model
 from . import versions
 
-PENDING = "_fastft_loss_pending"  # in the model's __dict__ during a fused forward: its _Pending
+PENDING = "_fastft_loss_pending"  # in the head's __dict__ during a fused forward: its _Pending
 
 # What a causal-LM forward may do between its head and its loss for the fused loss to be exact (whitespace
 # collapsed): nothing, or an fp32 copy of the logits (exact), or the head's input cast to its dtype first.
@@ -65,6 +67,11 @@ def blocker(model) -> str | None:
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if head is None:
         return f"{name} has no output head"
+    for module, what in ((inner, "model"), (head, "head")):
+        if "forward" in module.__dict__:
+            return f"{name}'s {what} has a forward set on the instance (another library's patch)"
+    if "_loss_function" in inner.__dict__:
+        return f"{name} has a loss function set on the instance"
     if type(head) is not torch.nn.Linear:
         return f"{name}'s head is a {type(head).__name__}, not a plain nn.Linear (a PEFT adapter or a quantized head)"
     source = _forward_source(type(inner))
@@ -95,18 +102,106 @@ def _without_logits(output):
     return type(output)(**{key: value for key, value in output.items() if key != "logits"})
 
 
-def _labels(signature: inspect.Signature, args, kwargs):
+def _labels(forward, model, args, kwargs):
+    """The ``labels`` a forward call passes, by keyword or by position."""
     if "labels" in kwargs or not args:
         return kwargs.get("labels")
     try:
-        return signature.bind_partial(*args, **kwargs).arguments.get("labels")
+        return _signature(forward).bind_partial(model, *args, **kwargs).arguments.get("labels")
     except TypeError:
         return None
 
 
+@functools.cache
+def _signature(forward) -> inspect.Signature:
+    return inspect.signature(forward)
+
+
+def _head_forward(self, hidden):
+    """A head's forward under ``use_linear_cross_entropy`` (bound to the head): in a fused forward, its input
+    handed on, once; else its class's forward."""
+    pending = self.__dict__.get(PENDING)
+    if pending is None or pending.hidden is not None:
+        return type(self).forward(self, hidden)
+    pending.hidden = hidden
+    return hidden
+
+
+def _loss_function(
+    self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+):
+    """The model's ``loss_function`` (bound to it): ``ForCausalLMLoss``, from the head's input through
+    ``linear_cross_entropy`` in a fused forward."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    head = self.get_output_embeddings()
+    pending = head.__dict__.get(PENDING)
+    if pending is None or pending.hidden is None:
+        return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+    hidden = pending.hidden
+    if logits.shape != hidden.shape:
+        raise RuntimeError(
+            f"fastft's fused loss got {tuple(logits.shape)} where the head's input {tuple(hidden.shape)} was "
+            "expected: apply(model, loss=False) keeps the model's own loss"
+        )
+    if shift_labels is None:
+        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    loss = linear_cross_entropy(
+        hidden,
+        head.weight,
+        shift_labels.to(hidden.device),
+        head.bias,
+        ignore_index=ignore_index,
+        reduction="sum" if num_items_in_batch is not None else "mean",
+    )
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    pending.used = True
+    return loss
+
+
+@functools.cache
+def _fused_forward(cls):
+    """``cls.forward`` under ``use_linear_cross_entropy``, to bind to a model: a training forward with labels
+    through the fused loss, any other as ``cls.forward`` (whose signature it shows)."""
+    forward = cls.forward
+
+    @functools.wraps(forward)
+    def fused_forward(self, *args, **kwargs):
+        head = self.get_output_embeddings()
+        if (
+            not self.training
+            or not torch.is_grad_enabled()
+            or stepping_aside()
+            or PENDING in head.__dict__
+            or versions.cache_of(kwargs) is not None
+            or _labels(forward, self, args, kwargs) is None
+        ):
+            return forward(self, *args, **kwargs)
+        pending = head.__dict__[PENDING] = _Pending()
+        try:
+            output = forward(self, *args, **kwargs)
+        finally:
+            head.__dict__.pop(PENDING, None)
+        if pending.hidden is None:
+            return output  # the head did not run (a forward that returns no logits)
+        if not pending.used:
+            raise RuntimeError(
+                f"{cls.__name__}'s head ran but its loss did not take fastft's fused path; "
+                "apply(model, loss=False) keeps the model's own loss"
+            )
+        return _without_logits(output)
+
+    return fused_forward
+
+
 def use_linear_cross_entropy(model) -> bool:
     """Route ``model``'s training loss through ``linear_cross_entropy`` (see the module docstring); returns
-    whether it did (a model it cannot serve exactly warns and keeps its own). Once per model."""
+    whether it did (a model it cannot serve exactly warns and keeps its own). Once per model. The forwards and
+    the loss function set are bound methods: a deep copy of the model (a reference model) runs its own."""
     inner = transformers_model(model)
     state = model_state(inner)
     if "loss" in state.records:
@@ -121,92 +216,14 @@ def use_linear_cross_entropy(model) -> bool:
         state.add("loss", False, lambda: None)
         return False
     head = inner.get_output_embeddings()
-    original_loss = inner.loss_function
-    had_loss = "_loss_function" in inner.__dict__
-    own_forward = inner.__dict__.get("forward")
-    head_forward = head.__dict__.get("forward")
-    signature = inspect.signature(own_forward or type(inner).forward.__get__(inner))  # without self
-    ref = weakref.ref(inner)  # what the model holds refers to it weakly: no cycle keeps a dropped model alive
-
-    def forward(*args, **kwargs):
-        model = ref()
-        return own_forward(*args, **kwargs) if own_forward is not None else type(model).forward(model, *args, **kwargs)
-
-    def fused_head(hidden):
-        pending = ref().__dict__.get(PENDING)
-        if pending is None or pending.hidden is not None:
-            return type(head).forward(head, hidden)
-        pending.hidden = hidden
-        return hidden
-
-    def fused_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
-        pending = ref().__dict__.get(PENDING)
-        if pending is None or pending.hidden is None:
-            return original_loss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
-        hidden = pending.hidden
-        if logits.shape != hidden.shape:
-            raise RuntimeError(
-                f"fastft's fused loss got {tuple(logits.shape)} where the head's input {tuple(hidden.shape)} was "
-                "expected: apply(model, loss=False) keeps the model's own loss"
-            )
-        if shift_labels is None:
-            labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
-            shift_labels = labels[..., 1:]
-        loss = linear_cross_entropy(
-            hidden,
-            head.weight,
-            shift_labels.to(hidden.device),
-            head.bias,
-            ignore_index=ignore_index,
-            reduction="sum" if num_items_in_batch is not None else "mean",
-        )
-        if num_items_in_batch is not None:
-            if torch.is_tensor(num_items_in_batch):
-                num_items_in_batch = num_items_in_batch.to(loss.device)
-            loss = loss / num_items_in_batch
-        pending.used = True
-        return loss
-
-    @functools.wraps(own_forward or type(inner).forward)
-    def fused_forward(*args, **kwargs):
-        model = ref()
-        if (
-            not model.training
-            or not torch.is_grad_enabled()
-            or stepping_aside()
-            or PENDING in model.__dict__
-            or versions.cache_of(kwargs) is not None
-            or _labels(signature, args, kwargs) is None
-        ):
-            return forward(*args, **kwargs)
-        pending = model.__dict__[PENDING] = _Pending()
-        try:
-            output = forward(*args, **kwargs)
-        finally:
-            model.__dict__.pop(PENDING, None)
-        if pending.hidden is None:
-            return output  # the head did not run (a forward that returns no logits)
-        if not pending.used:
-            raise RuntimeError(
-                f"{type(model).__name__}'s head ran but its loss did not take fastft's fused path; "
-                "apply(model, loss=False) keeps the model's own loss"
-            )
-        return _without_logits(output)
-
-    head.forward = fused_head
-    inner.loss_function = fused_loss
-    inner.forward = fused_forward
+    head.forward = types.MethodType(_head_forward, head)
+    inner.loss_function = types.MethodType(_loss_function, inner)
+    inner.forward = types.MethodType(_fused_forward(type(inner)), inner)
 
     def undo():
-        for module, name, value in ((head, "forward", head_forward), (inner, "forward", own_forward)):
-            if value is None:
-                module.__dict__.pop(name, None)
-            else:
-                module.__dict__[name] = value
-        if had_loss:
-            inner._loss_function = original_loss
-        else:
-            inner.__dict__.pop("_loss_function", None)
+        head.__dict__.pop("forward", None)
+        inner.__dict__.pop("forward", None)
+        inner.__dict__.pop("_loss_function", None)
 
     state.add("loss", True, undo)
     return True
