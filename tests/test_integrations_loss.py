@@ -3,6 +3,8 @@
 num_items_in_batch, PEFT LoRA, tuple outputs; logits=None only there; every other forward (eval, no_grad,
 no labels) untouched; the models it cannot serve exactly warned about and left as they were; revert."""
 
+import functools
+
 import pytest
 import torch
 
@@ -136,6 +138,18 @@ def test_a_deep_copy_runs_its_own_weights():
     assert_same_step(got, want)
 
 
+def test_a_head_sharded_on_its_own_is_a_clear_error():
+    class DTensor(torch.Tensor):  # what FSDP2 leaves in a resharded unit's parameters (by its name)
+        pass
+
+    ids, labels = batch()
+    model = ft_hf.apply(tiny_hf_model("llama"), offload_checkpointing=False)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().as_subclass(DTensor))
+    assert type(model.lm_head.weight) is DTensor
+    with pytest.raises(RuntimeError, match="head is an FSDP2 unit of its own"):
+        model(input_ids=ids, labels=labels)
+
+
 def test_heads_and_losses_it_leaves_alone():
     model = tiny_hf_model("llama")
     model.loss_function = lambda *a, **k: 0
@@ -166,3 +180,7 @@ def test_revert_and_loss_false():
     assert model(input_ids=ids, labels=labels).logits is not None
     with pytest.raises(TypeError, match="loss must be True or False"):
         ft_hf.apply(model, loss="yes")
+    ft_hf.apply(model, offload_checkpointing=False)
+    theirs = model.forward = functools.partial(type(model).forward, model)  # a later patch (Liger's, Trainer's)
+    ft_hf.revert(model)
+    assert model.__dict__["forward"] is theirs and "_loss_function" not in model.__dict__

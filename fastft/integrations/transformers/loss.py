@@ -144,6 +144,12 @@ def _loss_function(
             f"fastft's fused loss got {tuple(logits.shape)} where the head's input {tuple(hidden.shape)} was "
             "expected: apply(model, loss=False) keeps the model's own loss"
         )
+    if type(head.weight).__name__ == "DTensor":
+        raise RuntimeError(
+            f"{type(self).__name__}'s head is an FSDP2 unit of its own, its weight sharded again once its forward "
+            "returns: keep the head in the root unit (fastft.integrations.fsdp.shard does), or apply(model, "
+            "loss=False)"
+        )
     if shift_labels is None:
         labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:]
@@ -164,10 +170,9 @@ def _loss_function(
 
 
 @functools.cache
-def _fused_forward(cls):
-    """``cls.forward`` under ``use_linear_cross_entropy``, to bind to a model: a training forward with labels
-    through the fused loss, any other as ``cls.forward`` (whose signature it shows)."""
-    forward = cls.forward
+def _fused_forward(cls, forward):
+    """``forward`` (``cls``'s, as it is now) under ``use_linear_cross_entropy``, to bind to a model: a training
+    forward with labels through the fused loss, any other as ``forward`` (whose signature it shows)."""
 
     @functools.wraps(forward)
     def fused_forward(self, *args, **kwargs):
@@ -216,14 +221,18 @@ def use_linear_cross_entropy(model) -> bool:
         state.add("loss", False, lambda: None)
         return False
     head = inner.get_output_embeddings()
-    head.forward = types.MethodType(_head_forward, head)
-    inner.loss_function = types.MethodType(_loss_function, inner)
-    inner.forward = types.MethodType(_fused_forward(type(inner)), inner)
+    fused = (
+        (head, "forward", _head_forward),
+        (inner, "_loss_function", _loss_function),
+        (inner, "forward", _fused_forward(type(inner), type(inner).forward)),
+    )
+    for module, name, fn in fused:
+        module.__dict__[name] = types.MethodType(fn, module)
 
-    def undo():
-        head.__dict__.pop("forward", None)
-        inner.__dict__.pop("forward", None)
-        inner.__dict__.pop("_loss_function", None)
+    def undo():  # what is still fastft's (a library that patched the instance since keeps its own)
+        for module, name, fn in fused:
+            if getattr(module.__dict__.get(name), "__func__", None) is fn:
+                del module.__dict__[name]
 
     state.add("loss", True, undo)
     return True
