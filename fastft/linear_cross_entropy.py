@@ -16,13 +16,14 @@ logits and the gradients. The backward scales the kept gradients by the loss's g
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from . import autotune, dispatch
-from ._checks import int_arg
+from ._checks import int_arg, number_arg
 from ._custom_op import custom_op
 from .kernels._launch import cdiv, next_power_of_2
 from .reference import linear_cross_entropy as reference
@@ -83,6 +84,7 @@ def linear_cross_entropy_op(
     labels: torch.Tensor,
     ignore_index: int,
     mean: bool,
+    logit_scale: float,
     rows_per_block: int,
     grad_hidden: bool,
     grad_weight: bool,
@@ -104,6 +106,8 @@ def linear_cross_entropy_op(
     for start in range(0, rows, rows_per_block):
         h, y = hidden[start : start + rows_per_block], labels[start : start + rows_per_block]
         logits = F.linear(h, weight, bias)
+        if logit_scale != 1.0:
+            logits.mul_(logit_scale)  # in the logits' dtype, as the model's own product
         if backend == "torch":
             loss, g = reference.cross_entropy_rows(logits, y, scale, ignore_index)
             logits = g.to(logits.dtype) if grad else logits
@@ -112,6 +116,8 @@ def linear_cross_entropy_op(
 
             loss = kernels.cross_entropy_rows_(logits, y, scale, ignore_index, grad, **params)
         total += loss.sum()
+        if grad and logit_scale != 1.0:
+            logits.mul_(logit_scale)  # the product's gradient, in the logits' dtype
         if grad_hidden:
             torch.mm(logits, weight, out=dh[start : start + rows_per_block])
         if grad_weight:
@@ -128,7 +134,20 @@ def linear_cross_entropy_op(
 
 
 @linear_cross_entropy_op.register_fake
-def _(hidden, weight, bias, labels, ignore_index, mean, rows_per_block, grad_hidden, grad_weight, grad_bias, backend):
+def _(
+    hidden,
+    weight,
+    bias,
+    labels,
+    ignore_index,
+    mean,
+    logit_scale,
+    rows_per_block,
+    grad_hidden,
+    grad_weight,
+    grad_bias,
+    backend,
+):
     return (
         hidden.new_empty((), dtype=torch.float32),
         hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(0),
@@ -144,10 +163,10 @@ def _scaled(grad: torch.Tensor, by: torch.Tensor) -> torch.Tensor:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, ignore_index, mean, rows_per_block, backend):
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, mean, logit_scale, rows_per_block, backend):
         needs = tuple(ctx.needs_input_grad[:3])  # grad mode on and the tensor requiring grad
         loss, dh, dw, db = linear_cross_entropy_op(
-            hidden, weight, bias, labels, ignore_index, mean, rows_per_block, *needs, backend
+            hidden, weight, bias, labels, ignore_index, mean, logit_scale, rows_per_block, *needs, backend
         )
         ctx.save_for_backward(dh, dw, db)
         ctx.needs = needs
@@ -161,6 +180,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             _scaled(dh, grad) if h else None,
             _scaled(dw, grad) if w else None,
             _scaled(db, grad) if b else None,
+            None,
             None,
             None,
             None,
@@ -180,18 +200,21 @@ def linear_cross_entropy(
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
+    logit_scale: float | None = None,
     block_size: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """The cross-entropy of ``hidden @ weight^T (+ bias)`` against ``labels``, as
-    ``F.cross_entropy(F.linear(hidden, weight, bias).float(), labels)`` (see the module docstring), without
-    the logits of all rows at once.
+    """The cross-entropy of ``hidden @ weight^T (+ bias)`` (times ``logit_scale``) against ``labels``, as
+    ``F.cross_entropy((F.linear(hidden, weight, bias) * logit_scale).float(), labels)`` (see the module
+    docstring), without the logits of all rows at once.
 
     ``hidden``: ``[..., H]`` fp32, bf16 or fp16; ``weight``: ``[V, H]`` and ``bias``: ``[V]`` in its dtype;
     ``labels``: integer ``[...]`` of ``hidden``'s leading shape, on its device, already aligned with the rows
     (shift them first for next-token prediction). A row labelled ``ignore_index`` adds nothing; a label
     outside ``[0, V)`` otherwise makes the loss and gradients NaN (torch's cross-entropy raises, on a GPU
-    with a device assert). ``reduction``: ``"mean"`` over labelled rows (NaN if none) or ``"sum"``. Returns the
+    with a device assert). ``reduction``: ``"mean"`` over labelled rows (NaN if none) or ``"sum"``.
+    ``logit_scale``: a finite number the logits are multiplied by in ``hidden``'s dtype (Granite's
+    ``1 / logits_scaling``, Cohere's ``logit_scale``), or None. Returns the
     fp32 loss (0-d); differentiable in ``hidden``, ``weight`` and ``bias``: their gradients are formed in
     this call (grad mode on and any of them requiring grad) and scaled in the backward. ``block_size``: rows
     per block (default: ``block_rows``: blocks of logits about ``hidden``'s size, at most 8 with a trained
@@ -199,8 +222,9 @@ def linear_cross_entropy(
     ``FASTFT_BACKEND``). No GPU sync.
 
     Raises ``TypeError`` for non-tensors, floating dtypes other than these (or that differ), non-integer
-    labels, a non-int ``ignore_index`` or ``block_size``; ``ValueError`` for shapes that do not match,
-    tensors on different devices, an unknown ``reduction`` or backend, ``block_size < 1``.
+    labels, a non-int ``ignore_index`` or ``block_size``, a ``logit_scale`` that is not a number; ``ValueError``
+    for shapes that do not match, tensors on different devices, an unknown ``reduction`` or backend,
+    ``block_size < 1``, a non-finite ``logit_scale``.
     """
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
@@ -233,6 +257,11 @@ def linear_cross_entropy(
             raise ValueError(f"{name} must be on hidden's device {hidden.device}, got {t.device}")
     if block_size is not None:
         block_size = int_arg("block_size", block_size, minimum=1)
+    scale = 1.0
+    if logit_scale is not None:
+        scale = number_arg("logit_scale", logit_scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"logit_scale must be finite, got {scale}")
     chosen = dispatch.backend_for(OP_CROSS_ENTROPY, hidden.device, backend)
     width = hidden.shape[-1]
     h = hidden.reshape(-1, width)
@@ -241,4 +270,4 @@ def linear_cross_entropy(
     y = labels.reshape(-1).to(torch.int64)
     trained_head = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
     rows = block_size or block_rows(h.shape[0], weight.shape[0], width, trained_head)
-    return _LinearCrossEntropy.apply(h, weight, bias, y, ignore_index, reduction == "mean", rows, chosen)
+    return _LinearCrossEntropy.apply(h, weight, bias, y, ignore_index, reduction == "mean", scale, rows, chosen)

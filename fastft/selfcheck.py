@@ -380,8 +380,8 @@ def check_swiglu(g: torch.Generator, device, max_tokens: int) -> None:
 
 def check_linear_cross_entropy(g: torch.Generator, device, max_tokens: int) -> None:
     """``fastft.linear_cross_entropy`` on the dispatched backend against ``fastft.reference.linear_cross_entropy``
-    on random rows, widths, vocabularies, blocks and ignored labels: the loss and the hidden states', head's and
-    bias's gradients, fp32 within 1e-4."""
+    on random rows, widths, vocabularies, blocks, logit scales and ignored labels: the loss and the hidden
+    states', head's and bias's gradients, fp32 within 1e-4."""
     from fastft.reference import linear_cross_entropy as reference
 
     rows, width, vocab = randint(g, 1, max_tokens), randint(g, 1, 48), randint(g, 1, 300)
@@ -392,7 +392,7 @@ def check_linear_cross_entropy(g: torch.Generator, device, max_tokens: int) -> N
     labels[torch.rand(rows, generator=g) < 0.2] = -100
     labels[0] = 0  # one labelled row at least: the mean is a number
     labels = labels.to(device)
-    kw = dict(reduction=("mean", "sum")[randint(g, 0, 1)])
+    kw = dict(reduction=("mean", "sum")[randint(g, 0, 1)], logit_scale=(None, 0.5, 1 / 3)[randint(g, 0, 2)])
     block = (None, randint(g, 1, 64))[randint(g, 0, 1)]
     got = fastft.linear_cross_entropy(h, w, labels, b, block_size=block, **kw)
     want = reference.linear_cross_entropy(h, w, labels, b, **kw)

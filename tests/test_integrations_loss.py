@@ -59,6 +59,30 @@ def test_loss_and_gradients_are_the_models_own(family, items, monkeypatch):
     assert "lm_head.weight" in got[1]  # the head's own gradient too (a full fine-tune)
 
 
+@pytest.mark.parametrize(
+    "config_cls, scale",
+    [("GraniteConfig", dict(logits_scaling=3.0)), ("CohereConfig", dict(logit_scale=0.37))],
+)
+def test_models_that_scale_their_logits(config_cls, scale):
+    """Granite divides its logits by ``config.logits_scaling``, Cohere multiplies them by ``logit_scale``: the
+    fused loss scales each block's logits the same way (and their gradient)."""
+    ids, labels = batch()
+    fields = dict(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, **scale,
+    )  # fmt: skip
+
+    def model():
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_cls)(**fields)).train()
+
+    want = step(model(), ids, labels)
+    assert ft_loss.blocker(model()) is None
+    got = step(ft_hf.apply(model(), offload_checkpointing=False), ids, labels)
+    assert got[0].logits is None
+    assert_same_step(got, want)
+
+
 def test_other_forwards_keep_their_logits():
     ids, labels = batch()
     stock, model = tiny_hf_model("llama"), ft_hf.apply(tiny_hf_model("llama"), offload_checkpointing=False)
@@ -164,6 +188,12 @@ def test_heads_and_losses_it_leaves_alone():
     assert "is not its head's 128 rows" in ft_loss.blocker(model)
     model = tiny_hf_model("llama")
     model.forward = model.forward  # another library's instance patch
+    assert "forward set on the instance" in ft_loss.blocker(model)
+    granite = transformers.GraniteConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, logits_scaling=0.0,
+    )  # fmt: skip
+    assert "not a finite nonzero number" in ft_loss.blocker(transformers.AutoModelForCausalLM.from_config(granite))
     assert "forward set on the instance" in ft_loss.blocker(model)
 
 

@@ -35,15 +35,15 @@ def _loss_and_grads(fn, h, w, b, y, grad_out, **kw):
     return [loss, *torch.autograd.grad(loss * grad_out, leaves)]
 
 
-def _check(h, w, b, y, backend, *, reduction="mean", block_size=None, grad_out=1.0):
+def _check(h, w, b, y, backend, *, reduction="mean", block_size=None, grad_out=1.0, logit_scale=None):
     """The op against the reference in fp64 (the same values): within twice the error that the reference in the
     inputs' dtype (the stock path) makes against fp64, plus 1e-5 of the largest value (bf16/fp16: one ulp)."""
-    got = _loss_and_grads(
-        fastft.linear_cross_entropy, h, w, b, y, grad_out, reduction=reduction, block_size=block_size, backend=backend
-    )
+    kw = dict(reduction=reduction, logit_scale=logit_scale)
+    op = fastft.linear_cross_entropy
+    got = _loss_and_grads(op, h, w, b, y, grad_out, block_size=block_size, backend=backend, **kw)
     exact = [t.detach().double().requires_grad_() if t is not None else None for t in (h, w, b)]
-    want = _loss_and_grads(reference.linear_cross_entropy, *exact, y, grad_out, reduction=reduction)
-    stock = _loss_and_grads(reference.linear_cross_entropy, h, w, b, y, grad_out, reduction=reduction)
+    want = _loss_and_grads(reference.linear_cross_entropy, *exact, y, grad_out, **kw)
+    stock = _loss_and_grads(reference.linear_cross_entropy, h, w, b, y, grad_out, **kw)
     assert got[0].dtype == torch.float32 and got[0].dim() == 0
     for name, a, s, e in zip(["loss", "hidden", "weight", "bias"], got, stock, want):
         assert a.dtype == s.dtype and a.shape == s.shape, name
@@ -89,16 +89,19 @@ def test_rows_formula_is_autograd(rng):
     bias=st.booleans(),
     ignored=st.sampled_from([0.0, 0.3, 1.0]),
     grad_out=st.sampled_from([1.0, 0.25, -3.0]),
+    logit_scale=st.sampled_from([None, 1 / 3, 2.5]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_matches_reference(backend, device, rows, width, vocab, block, reduction, bias, ignored, grad_out, seed):
+def test_matches_reference(
+    backend, device, rows, width, vocab, block, reduction, bias, ignored, grad_out, logit_scale, seed
+):
     rng = torch.Generator().manual_seed(seed)
     h, w, b, y = _inputs(rng, rows, width, vocab, torch.float32, device, bias=bias, ignored=ignored, scale=3.0)
     if reduction == "mean" and not (y != -100).any():  # nothing labelled: NaN loss, zero gradients, as torch's
         loss, *grads = _loss_and_grads(fastft.linear_cross_entropy, h, w, b, y, grad_out, backend=backend)
         assert loss.isnan() and all((g == 0).all() for g in grads)
         return
-    _check(h, w, b, y, backend, reduction=reduction, block_size=block, grad_out=grad_out)
+    _check(h, w, b, y, backend, reduction=reduction, block_size=block, grad_out=grad_out, logit_scale=logit_scale)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -106,7 +109,7 @@ def test_matches_reference(backend, device, rows, width, vocab, block, reduction
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_half_precision_within_stock_error(backend, device, rng, dtype, reduction):
     h, w, b, y = _inputs(rng, 50, 32, 97, dtype, device)
-    _check(h, w, b, y, backend, reduction=reduction, block_size=16, grad_out=0.5)
+    _check(h, w, b, y, backend, reduction=reduction, block_size=16, grad_out=0.5, logit_scale=1 / 3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -170,7 +173,7 @@ def test_kernel_rows_match_their_formula(device, rng):
 def test_custom_op_opcheck(backend, device, rng):
     h, w, b, y = _inputs(rng, 9, 8, 21, torch.float32, device)
     for needs in ((True, True, True), (True, False, False), (False, False, False)):
-        args = (h.detach(), w.detach(), b.detach(), y, -100, True, 4, *needs, backend)
+        args = (h.detach(), w.detach(), b.detach(), y, -100, True, 0.5, 4, *needs, backend)
         torch.library.opcheck(lce.linear_cross_entropy_op.op, args)
 
 
@@ -197,6 +200,8 @@ def test_argument_checks(rng):
         (ValueError, "bias must be \\[V\\]", lambda: call(h, w, y, b[:3])),
         (ValueError, "labels must have hidden's leading shape", lambda: call(h, w, y[:5])),
         (ValueError, "block_size must be an int >= 1", lambda: call(h, w, y, block_size=0)),
+        (TypeError, "logit_scale must be a number", lambda: call(h, w, y, logit_scale="2")),
+        (ValueError, "logit_scale must be finite", lambda: call(h, w, y, logit_scale=float("inf"))),
         (ValueError, "backend must be one of", lambda: call(h, w, y, backend="cuda")),
     ]
     for error, match, fn in cases:

@@ -1,6 +1,7 @@
 """A linear layer's cross-entropy, in plain torch: the specification of ``fastft.linear_cross_entropy``.
 
     logits = hidden @ weight^T (+ bias)          in hidden's dtype, as the model's head computes them
+    logits = logits * logit_scale                in hidden's dtype, where a model scales them (Granite, Cohere)
     loss   = cross_entropy(fp32(logits), labels)  ignore_index's rows left out; mean over the others, or sum
 
 transformers' ``ForCausalLMLoss`` is this with the labels shifted by one token. ``cross_entropy_rows`` is one
@@ -21,10 +22,14 @@ def linear_cross_entropy(
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
+    logit_scale: float | None = None,
 ) -> torch.Tensor:
-    """fp32 loss of ``hidden`` ``[..., H]`` through ``weight`` ``[V, H]`` (and ``bias`` ``[V]``) against
-    ``labels`` ``[...]``: the logits in full, then ``F.cross_entropy``."""
-    logits = F.linear(hidden, weight, bias).float()
+    """fp32 loss of ``hidden`` ``[..., H]`` through ``weight`` ``[V, H]`` (and ``bias`` ``[V]``), times
+    ``logit_scale``, against ``labels`` ``[...]``: the logits in full, then ``F.cross_entropy``."""
+    logits = F.linear(hidden, weight, bias)
+    if logit_scale is not None:
+        logits = logits * logit_scale
+    logits = logits.float()
     return F.cross_entropy(
         logits.reshape(-1, weight.shape[0]), labels.reshape(-1), ignore_index=ignore_index, reduction=reduction
     )

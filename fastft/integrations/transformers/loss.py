@@ -12,16 +12,17 @@ training step reads; Liger-Kernel's fused loss does the same). Any other forward
 The model's forward, its head's and its ``loss_function`` are bound methods set on the instances (PEFT's tuner
 calls ``model.forward`` itself, past any hook; a deep copy of the model binds them to the copy). A model it
 cannot serve exactly keeps its own loss, with a warning that says why: a forward that changes the logits
-between the head and the loss (Gemma's soft-capping, Granite's and Cohere's scaling), a head that is not a
-plain ``nn.Linear`` (a PEFT adapter or a quantized head), a config vocabulary that is not the head's, a loss
-function other than ``ForCausalLMLoss``, a forward or loss function already set on the instance by another
-library. ``revert`` undoes it.
+between the head and the loss other than by a number it holds (Gemma's soft-capping; Granite's and Cohere's
+scaling is the op's ``logit_scale``), a head that is not a plain ``nn.Linear`` (a PEFT adapter or a quantized
+head), a config vocabulary that is not the head's, a loss function other than ``ForCausalLMLoss``, a forward
+or loss function already set on the instance by another library. ``revert`` undoes it.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import math
 import re
 import types
 import warnings
@@ -34,13 +35,47 @@ from . import versions
 
 PENDING = "_fastft_loss_pending"  # in the head's __dict__ during a fused forward: its _Pending
 
-# What a causal-LM forward may do between its head and its loss for the fused loss to be exact (whitespace
-# collapsed): nothing, or an fp32 copy of the logits (exact), or the head's input cast to its dtype first.
+# What a causal-LM forward may do between its head and its loss for the fused loss to be exact (comments dropped,
+# whitespace collapsed): nothing, an fp32 copy of the logits (exact), the head's input cast to its dtype first,
+# or the logits multiplied or divided by a number the model holds (``self.<attributes>``: Granite's
+# ``config.logits_scaling``, Cohere's ``logit_scale``, Falcon-H1's ``model.lm_head_multiplier``).
+_SCALE = r" (?P<op{0}>[*/]) (?P<scale{0}>self(?:\.\w+)+)"
 _HEAD = (
     r"logits = self\.lm_head\(hidden_states(?:\[:, slice_indices, :\])?"
     r"(?:\.to\((?:dtype=)?self\.lm_head\.weight\.dtype\))?\)"
 )
-_BETWEEN = re.compile(_HEAD + r"(?:\.float\(\))? loss = None if labels is not None: loss =$")
+_BETWEEN = re.compile(
+    _HEAD
+    + r"(?:\.float\(\)|"
+    + _SCALE.format(1)
+    + r"| logits = logits"
+    + _SCALE.format(2)
+    + r")? loss = None if labels is not None: loss =$"
+)
+_COMMENT = re.compile(r"#[^\n]*")
+
+
+def _between(cls) -> str | None:
+    """The source of ``cls.forward`` from its head's call to its loss function's (comments dropped, whitespace
+    collapsed), or None where it has no such lines."""
+    try:
+        source = inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return None
+    start = source.find("logits = self.lm_head(")
+    end = -1 if start < 0 else source.find("self.loss_function(", start)
+    return None if end < 0 else " ".join(_COMMENT.sub("", source[start:end]).split())
+
+
+@functools.cache
+def _logit_scale(cls) -> tuple[str, tuple[str, ...]] | None:
+    """(``"*"`` or ``"/"``, the attribute path from the model) of the number ``cls.forward`` scales its logits
+    by, or None."""
+    found = _BETWEEN.match(_between(cls) or "")
+    for i in (1, 2):
+        if found is not None and found.group(f"scale{i}") is not None:
+            return found.group(f"op{i}"), tuple(found.group(f"scale{i}").split(".")[1:])
+    return None
 
 
 class _Pending:
@@ -51,13 +86,6 @@ class _Pending:
     def __init__(self):
         self.hidden = None
         self.used = False
-
-
-def _forward_source(cls) -> str | None:
-    try:
-        return inspect.getsource(inspect.unwrap(cls.forward))
-    except (OSError, TypeError):
-        return None
 
 
 def blocker(model) -> str | None:
@@ -74,14 +102,15 @@ def blocker(model) -> str | None:
         return f"{name} has a loss function set on the instance"
     if type(head) is not torch.nn.Linear:
         return f"{name}'s head is a {type(head).__name__}, not a plain nn.Linear (a PEFT adapter or a quantized head)"
-    source = _forward_source(type(inner))
-    start = -1 if source is None else source.find("logits = self.lm_head(")
-    end = -1 if start < 0 else source.find("self.loss_function(", start)
-    if end < 0:
+    between = _between(type(inner))
+    if between is None:
         return f"{name}'s forward does not compute its loss with self.loss_function from self.lm_head's logits"
-    between = " ".join(source[start:end].split())
     if not _BETWEEN.match(between):
         return f"{name}'s forward changes the logits between its head and its loss ({between[:120]}...)"
+    try:
+        _scale_of(inner)
+    except (AttributeError, TypeError, ValueError) as error:
+        return f"{name}'s logits scale: {error}"
     from transformers.loss.loss_utils import LOSS_MAPPING
 
     if inner.loss_function is not LOSS_MAPPING["ForCausalLM"]:
@@ -115,6 +144,20 @@ def _labels(forward, model, args, kwargs):
 @functools.cache
 def _signature(forward) -> inspect.Signature:
     return inspect.signature(forward)
+
+
+def _scale_of(model) -> float | None:
+    """The number ``model``'s forward multiplies its logits by (the inverse of a divisor), or None."""
+    found = _logit_scale(type(model))
+    if found is None:
+        return None
+    op, path = found
+    value = model
+    for name in path:
+        value = getattr(value, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0:
+        raise ValueError(f"{'.'.join(('self', *path))} is {value!r}, not a finite nonzero number")
+    return 1.0 / value if op == "/" else float(value)
 
 
 def _head_forward(self, hidden):
@@ -160,6 +203,7 @@ def _loss_function(
         head.bias,
         ignore_index=ignore_index,
         reduction="sum" if num_items_in_batch is not None else "mean",
+        logit_scale=_scale_of(self),
     )
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
