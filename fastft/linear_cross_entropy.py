@@ -73,6 +73,26 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
+@functools.cache
+def _addmm_to_fp32(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(c, a, b, out_dtype=torch.float32, out=c)`` runs for ``dtype`` ``a``, ``b`` and an fp32
+    ``c`` on ``device_type`` (CUDA: one GEMM that adds into ``c``)."""
+    a = torch.zeros(1, 1, dtype=dtype, device=device_type)
+    c = torch.zeros(1, 1, dtype=torch.float32, device=device_type)
+    try:
+        return torch.addmm(c, a, a, out_dtype=torch.float32, out=c) is c
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _add_mm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b``, the product accumulated in fp32 into the fp32 ``acc``."""
+    if a.dtype != torch.float32 and _addmm_to_fp32(a.device.type, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += _mm_fp32(a, b)
+
+
 # ---- custom op: the whole loss and its gradients, on the backend named, no validation ------------------
 
 
@@ -85,6 +105,7 @@ def linear_cross_entropy_op(
     ignore_index: int,
     mean: bool,
     logit_scale: float,
+    softcap: Optional[float],  # noqa: UP045
     rows_per_block: int,
     grad_hidden: bool,
     grad_weight: bool,
@@ -109,19 +130,19 @@ def linear_cross_entropy_op(
         if logit_scale != 1.0:
             logits.mul_(logit_scale)  # in the logits' dtype, as the model's own product
         if backend == "torch":
-            loss, g = reference.cross_entropy_rows(logits, y, scale, ignore_index)
+            loss, g = reference.cross_entropy_rows(logits, y, scale, ignore_index, softcap)
             logits = g.to(logits.dtype) if grad else logits
         else:
             from .kernels import linear_cross_entropy as kernels
 
-            loss = kernels.cross_entropy_rows_(logits, y, scale, ignore_index, grad, **params)
+            loss = kernels.cross_entropy_rows_(logits, y, scale, ignore_index, grad, softcap, **params)
         total += loss.sum()
         if grad and logit_scale != 1.0:
             logits.mul_(logit_scale)  # the product's gradient, in the logits' dtype
         if grad_hidden:
             torch.mm(logits, weight, out=dh[start : start + rows_per_block])
         if grad_weight:
-            dw += _mm_fp32(logits.t(), h)
+            _add_mm_fp32_(dw, logits.t(), h)
         if grad_bias:
             db += logits.float().sum(0)
     loss = total * scale if mean else total
@@ -142,6 +163,7 @@ def _(
     ignore_index,
     mean,
     logit_scale,
+    softcap,
     rows_per_block,
     grad_hidden,
     grad_weight,
@@ -163,10 +185,10 @@ def _scaled(grad: torch.Tensor, by: torch.Tensor) -> torch.Tensor:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, ignore_index, mean, logit_scale, rows_per_block, backend):
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, mean, logit_scale, softcap, rows_per_block, backend):
         needs = tuple(ctx.needs_input_grad[:3])  # grad mode on and the tensor requiring grad
         loss, dh, dw, db = linear_cross_entropy_op(
-            hidden, weight, bias, labels, ignore_index, mean, logit_scale, rows_per_block, *needs, backend
+            hidden, weight, bias, labels, ignore_index, mean, logit_scale, softcap, rows_per_block, *needs, backend
         )
         ctx.save_for_backward(dh, dw, db)
         ctx.needs = needs
@@ -180,6 +202,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             _scaled(dh, grad) if h else None,
             _scaled(dw, grad) if w else None,
             _scaled(db, grad) if b else None,
+            None,
             None,
             None,
             None,
@@ -201,12 +224,13 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     logit_scale: float | None = None,
+    softcap: float | None = None,
     block_size: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """The cross-entropy of ``hidden @ weight^T (+ bias)`` (times ``logit_scale``) against ``labels``, as
-    ``F.cross_entropy((F.linear(hidden, weight, bias) * logit_scale).float(), labels)`` (see the module
-    docstring), without the logits of all rows at once.
+    """The cross-entropy of ``hidden @ weight^T (+ bias)`` (times ``logit_scale``, capped at ``softcap``)
+    against ``labels``, as ``F.cross_entropy((F.linear(hidden, weight, bias) * logit_scale).float(), labels)``
+    (see the module docstring), without the logits of all rows at once.
 
     ``hidden``: ``[..., H]`` fp32, bf16 or fp16; ``weight``: ``[V, H]`` and ``bias``: ``[V]`` in its dtype;
     ``labels``: integer ``[...]`` of ``hidden``'s leading shape, on its device, already aligned with the rows
@@ -214,7 +238,8 @@ def linear_cross_entropy(
     outside ``[0, V)`` otherwise makes the loss and gradients NaN (torch's cross-entropy raises, on a GPU
     with a device assert). ``reduction``: ``"mean"`` over labelled rows (NaN if none) or ``"sum"``.
     ``logit_scale``: a finite number the logits are multiplied by in ``hidden``'s dtype (Granite's
-    ``1 / logits_scaling``, Cohere's ``logit_scale``), or None. Returns the
+    ``1 / logits_scaling``, Cohere's ``logit_scale``), or None. ``softcap``: a finite positive number ``c``, the
+    logits read as ``c * tanh(logits / c)`` in fp32 (Gemma's ``final_logit_softcapping``), or None. Returns the
     fp32 loss (0-d); differentiable in ``hidden``, ``weight`` and ``bias``: their gradients are formed in
     this call (grad mode on and any of them requiring grad) and scaled in the backward. ``block_size``: rows
     per block (default: ``block_rows``: blocks of logits about ``hidden``'s size, at most 8 with a trained
@@ -222,9 +247,9 @@ def linear_cross_entropy(
     ``FASTFT_BACKEND``). No GPU sync.
 
     Raises ``TypeError`` for non-tensors, floating dtypes other than these (or that differ), non-integer
-    labels, a non-int ``ignore_index`` or ``block_size``, a ``logit_scale`` that is not a number; ``ValueError``
-    for shapes that do not match, tensors on different devices, an unknown ``reduction`` or backend,
-    ``block_size < 1``, a non-finite ``logit_scale``.
+    labels, a non-int ``ignore_index`` or ``block_size``, a ``logit_scale`` or ``softcap`` that is not a number;
+    ``ValueError`` for shapes that do not match, tensors on different devices, an unknown ``reduction`` or
+    backend, ``block_size < 1``, a non-finite ``logit_scale``, a ``softcap`` not finite and positive.
     """
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(t, torch.Tensor):
@@ -262,6 +287,10 @@ def linear_cross_entropy(
         scale = number_arg("logit_scale", logit_scale)
         if not math.isfinite(scale):
             raise ValueError(f"logit_scale must be finite, got {scale}")
+    if softcap is not None:
+        softcap = number_arg("softcap", softcap)
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap must be finite and > 0, got {softcap}")
     chosen = dispatch.backend_for(OP_CROSS_ENTROPY, hidden.device, backend)
     width = hidden.shape[-1]
     h = hidden.reshape(-1, width)
@@ -270,4 +299,5 @@ def linear_cross_entropy(
     y = labels.reshape(-1).to(torch.int64)
     trained_head = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
     rows = block_size or block_rows(h.shape[0], weight.shape[0], width, trained_head)
-    return _LinearCrossEntropy.apply(h, weight, bias, y, ignore_index, reduction == "mean", scale, rows, chosen)
+    mean = reduction == "mean"
+    return _LinearCrossEntropy.apply(h, weight, bias, y, ignore_index, mean, scale, softcap, rows, chosen)

@@ -16,6 +16,10 @@ from fastft.integrations.transformers import loss as ft_loss  # noqa: E402
 from fastft.testing import tiny_hf_model  # noqa: E402
 
 FP32 = dict(atol=1e-5, rtol=1e-5)
+TINY = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+    num_key_value_heads=1,
+)  # fmt: skip
 
 
 def batch(seed=1, rows=2, tokens=24):
@@ -60,17 +64,22 @@ def test_loss_and_gradients_are_the_models_own(family, items, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "config_cls, scale",
-    [("GraniteConfig", dict(logits_scaling=3.0)), ("CohereConfig", dict(logit_scale=0.37))],
+    "config_cls, fields, softcap",
+    [
+        ("GraniteConfig", dict(logits_scaling=3.0), None),
+        ("CohereConfig", dict(logit_scale=0.37), None),
+        ("Gemma2Config", dict(head_dim=16, final_logit_softcapping=0.5), 0.5),
+        ("Gemma3TextConfig", dict(head_dim=16, final_logit_softcapping=None), None),
+        ("RecurrentGemmaConfig", dict(num_hidden_layers=3, lru_width=32, logits_soft_cap=0.5), 0.5),
+        ("OPTConfig", dict(ffn_dim=64, word_embed_proj_dim=32), None),
+    ],
 )
-def test_models_that_scale_their_logits(config_cls, scale):
-    """Granite divides its logits by ``config.logits_scaling``, Cohere multiplies them by ``logit_scale``: the
-    fused loss scales each block's logits the same way (and their gradient)."""
+def test_models_that_scale_or_cap_their_logits(config_cls, fields, softcap, monkeypatch):
+    """Granite divides its logits by ``config.logits_scaling``, Cohere multiplies them by ``logit_scale``, Gemma
+    soft-caps them where ``final_logit_softcapping`` is set, RecurrentGemma always, OPT copies them: the fused
+    loss scales and caps each block's logits the same way (and their gradient)."""
     ids, labels = batch()
-    fields = dict(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, **scale,
-    )  # fmt: skip
+    fields = {**TINY, **fields}
 
     def model():
         torch.manual_seed(0)
@@ -78,8 +87,13 @@ def test_models_that_scale_their_logits(config_cls, scale):
 
     want = step(model(), ids, labels)
     assert ft_loss.blocker(model()) is None
-    got = step(ft_hf.apply(model(), offload_checkpointing=False), ids, labels)
-    assert got[0].logits is None
+    calls = []
+    op = fastft.linear_cross_entropy
+    monkeypatch.setattr(ft_loss, "linear_cross_entropy", lambda *a, **k: calls.append(k) or op(*a, **k))
+    fused = model()
+    assert ft_hf.use_linear_cross_entropy(fused)  # RecurrentGemma's mixers are not apply's: the loss alone
+    got = step(fused, ids, labels)
+    assert got[0].logits is None and [k["softcap"] for k in calls] == [softcap]
     assert_same_step(got, want)
 
 
@@ -130,14 +144,23 @@ def test_peft_lora_model():
     assert all("lora_" in name for name in got[1])
 
 
+class ClampedLlama(transformers.LlamaForCausalLM):
+    """A causal LM whose forward changes its logits in a way the fused loss does not follow."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden_states = self.model(input_ids=input_ids).last_hidden_state
+        logits = self.lm_head(hidden_states)
+        logits = logits.clamp(-0.1, 0.1)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
 def test_a_model_it_cannot_serve_warns_and_keeps_its_loss():
     ids, labels = batch()
-    config = transformers.Gemma2Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, final_logit_softcapping=5.0,
-    )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(config).train()
-    assert "soft" not in (ft_loss.blocker(tiny_hf_model("llama")) or "")
+    model = ClampedLlama(tiny_hf_model("llama").config).train()
+    assert ft_loss.blocker(tiny_hf_model("llama")) is None
     with pytest.warns(RuntimeWarning, match="keeps the model's own loss .*changes the logits between its head"):
         ft_hf.use_linear_cross_entropy(model)
     assert "forward" not in model.__dict__
@@ -194,6 +217,10 @@ def test_heads_and_losses_it_leaves_alone():
         num_key_value_heads=1, logits_scaling=0.0,
     )  # fmt: skip
     assert "not a finite nonzero number" in ft_loss.blocker(transformers.AutoModelForCausalLM.from_config(granite))
+    gemma = transformers.Gemma2Config(**TINY, head_dim=16, final_logit_softcapping=-1.0)
+    assert "not None or a finite positive number" in ft_loss.blocker(
+        transformers.AutoModelForCausalLM.from_config(gemma)
+    )
     assert "forward set on the instance" in ft_loss.blocker(model)
 
 

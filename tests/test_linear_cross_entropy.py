@@ -1,5 +1,5 @@
 """fastft.linear_cross_entropy: the reference against transformers' ForCausalLMLoss, both backends (loss and
-every gradient) against the reference on random shapes, labels and blocks (hypothesis), the kernel's rows
+every gradient) against the reference on random shapes, labels, blocks, scales and caps (hypothesis), the kernel's rows
 against their torch formulas, ignored and out-of-range labels, no rows, grad mode off, argument checks, and on
 a GPU bf16 at a real vocabulary without a host sync. Tolerance: against fp64, within twice the stock path's own
 error (the reference in the inputs' dtype) plus 1e-5 of the largest value (bf16/fp16: one ulp of it)."""
@@ -35,10 +35,10 @@ def _loss_and_grads(fn, h, w, b, y, grad_out, **kw):
     return [loss, *torch.autograd.grad(loss * grad_out, leaves)]
 
 
-def _check(h, w, b, y, backend, *, reduction="mean", block_size=None, grad_out=1.0, logit_scale=None):
+def _check(h, w, b, y, backend, *, reduction="mean", block_size=None, grad_out=1.0, logit_scale=None, softcap=None):
     """The op against the reference in fp64 (the same values): within twice the error that the reference in the
     inputs' dtype (the stock path) makes against fp64, plus 1e-5 of the largest value (bf16/fp16: one ulp)."""
-    kw = dict(reduction=reduction, logit_scale=logit_scale)
+    kw = dict(reduction=reduction, logit_scale=logit_scale, softcap=softcap)
     op = fastft.linear_cross_entropy
     got = _loss_and_grads(op, h, w, b, y, grad_out, block_size=block_size, backend=backend, **kw)
     exact = [t.detach().double().requires_grad_() if t is not None else None for t in (h, w, b)]
@@ -67,14 +67,16 @@ def test_reference_is_transformers_causal_lm_loss(rng):
     torch.testing.assert_close(got, want, **FP32)
 
 
-def test_rows_formula_is_autograd(rng):
-    """``cross_entropy_rows``' gradient is the derivative of its losses (labelled rows, scaled)."""
-    x = torch.randn(9, 23, generator=rng).requires_grad_()
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_rows_formula_is_autograd(rng, softcap):
+    """``cross_entropy_rows``' gradient is the derivative of its losses (labelled rows, scaled, capped)."""
+    x = (torch.randn(9, 23, generator=rng) * 4).requires_grad_()
     y = torch.randint(0, 23, (9,), generator=rng)
     y[[1, 4]] = -100
     scale = torch.tensor(0.37)
-    loss, grad = reference.cross_entropy_rows(x, y, scale, -100)
-    torch.testing.assert_close(loss, F.cross_entropy(x, y, reduction="none"), **FP32)
+    loss, grad = reference.cross_entropy_rows(x, y, scale, -100, softcap)
+    capped = x if softcap is None else softcap * torch.tanh(x / softcap)
+    torch.testing.assert_close(loss, F.cross_entropy(capped, y, reduction="none"), **FP32)
     (want,) = torch.autograd.grad(loss.sum() * scale, x)
     torch.testing.assert_close(grad, want, **FP32)
 
@@ -90,10 +92,11 @@ def test_rows_formula_is_autograd(rng):
     ignored=st.sampled_from([0.0, 0.3, 1.0]),
     grad_out=st.sampled_from([1.0, 0.25, -3.0]),
     logit_scale=st.sampled_from([None, 1 / 3, 2.5]),
+    softcap=st.sampled_from([None, None, 4.0, 30.0]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_matches_reference(
-    backend, device, rows, width, vocab, block, reduction, bias, ignored, grad_out, logit_scale, seed
+    backend, device, rows, width, vocab, block, reduction, bias, ignored, grad_out, logit_scale, softcap, seed
 ):
     rng = torch.Generator().manual_seed(seed)
     h, w, b, y = _inputs(rng, rows, width, vocab, torch.float32, device, bias=bias, ignored=ignored, scale=3.0)
@@ -101,7 +104,8 @@ def test_matches_reference(
         loss, *grads = _loss_and_grads(fastft.linear_cross_entropy, h, w, b, y, grad_out, backend=backend)
         assert loss.isnan() and all((g == 0).all() for g in grads)
         return
-    _check(h, w, b, y, backend, reduction=reduction, block_size=block, grad_out=grad_out, logit_scale=logit_scale)
+    kw = dict(reduction=reduction, block_size=block, grad_out=grad_out, logit_scale=logit_scale, softcap=softcap)
+    _check(h, w, b, y, backend, **kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -110,6 +114,7 @@ def test_matches_reference(
 def test_half_precision_within_stock_error(backend, device, rng, dtype, reduction):
     h, w, b, y = _inputs(rng, 50, 32, 97, dtype, device)
     _check(h, w, b, y, backend, reduction=reduction, block_size=16, grad_out=0.5, logit_scale=1 / 3)
+    _check(h, w, b, y, backend, reduction=reduction, block_size=16, grad_out=0.5, softcap=5.0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -167,13 +172,18 @@ def test_kernel_rows_match_their_formula(device, rng):
     loss = kernels.cross_entropy_rows_(logits, y, scale, -100, False, BLOCK_V=64, num_warps=1)
     torch.testing.assert_close(loss, want_loss, equal_nan=True, **FP32)
     assert torch.equal(logits, x)  # no gradient asked: the logits untouched
+    want_loss, want_grad = reference.cross_entropy_rows(x, y, scale, -100, 3.0)
+    logits = x.clone()
+    loss = kernels.cross_entropy_rows_(logits, y, scale, -100, True, 3.0, BLOCK_V=16, num_warps=1)
+    torch.testing.assert_close(loss, want_loss, equal_nan=True, **FP32)
+    torch.testing.assert_close(logits, want_grad, equal_nan=True, **FP32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_custom_op_opcheck(backend, device, rng):
     h, w, b, y = _inputs(rng, 9, 8, 21, torch.float32, device)
     for needs in ((True, True, True), (True, False, False), (False, False, False)):
-        args = (h.detach(), w.detach(), b.detach(), y, -100, True, 0.5, 4, *needs, backend)
+        args = (h.detach(), w.detach(), b.detach(), y, -100, True, 0.5, 3.0, 4, *needs, backend)
         torch.library.opcheck(lce.linear_cross_entropy_op.op, args)
 
 
@@ -202,6 +212,9 @@ def test_argument_checks(rng):
         (ValueError, "block_size must be an int >= 1", lambda: call(h, w, y, block_size=0)),
         (TypeError, "logit_scale must be a number", lambda: call(h, w, y, logit_scale="2")),
         (ValueError, "logit_scale must be finite", lambda: call(h, w, y, logit_scale=float("inf"))),
+        (TypeError, "softcap must be a number", lambda: call(h, w, y, softcap=torch.tensor(30.0))),
+        (ValueError, "softcap must be finite and > 0", lambda: call(h, w, y, softcap=0)),
+        (ValueError, "softcap must be finite and > 0", lambda: call(h, w, y, softcap=float("nan"))),
         (ValueError, "backend must be one of", lambda: call(h, w, y, backend="cuda")),
     ]
     for error, match, fn in cases:
@@ -211,9 +224,11 @@ def test_argument_checks(rng):
 
 @pytest.mark.gpu
 def test_bf16_at_a_real_vocabulary_without_host_sync(rng):
-    """Qwen3's vocabulary, 1,000 rows in blocks of 256: within the stock path's error, and no sync."""
+    """Qwen3's vocabulary, 1,000 rows in blocks of 256 (as is and capped): within the stock path's error, and
+    no sync."""
     h, w, _, y = _inputs(rng, 1000, 256, 151936, torch.bfloat16, "cuda", bias=False)
     _check(h, w, None, y, "triton", block_size=256)
+    _check(h, w, None, y, "triton", block_size=256, softcap=30.0)  # Gemma's cap
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -12,10 +12,11 @@ training step reads; Liger-Kernel's fused loss does the same). Any other forward
 The model's forward, its head's and its ``loss_function`` are bound methods set on the instances (PEFT's tuner
 calls ``model.forward`` itself, past any hook; a deep copy of the model binds them to the copy). A model it
 cannot serve exactly keeps its own loss, with a warning that says why: a forward that changes the logits
-between the head and the loss other than by a number it holds (Gemma's soft-capping; Granite's and Cohere's
-scaling is the op's ``logit_scale``), a head that is not a plain ``nn.Linear`` (a PEFT adapter or a quantized
-head), a config vocabulary that is not the head's, a loss function other than ``ForCausalLMLoss``, a forward
-or loss function already set on the instance by another library. ``revert`` undoes it.
+between the head and the loss other than by a number it holds (Granite's and Cohere's scaling, the op's
+``logit_scale``) or a soft cap it holds (Gemma's ``final_logit_softcapping``, the op's ``softcap``), a head
+that is not a plain ``nn.Linear`` (a PEFT adapter or a quantized head), a config vocabulary that is not the
+head's, a loss function other than ``ForCausalLMLoss``, a forward or loss function already set on the instance
+by another library. ``revert`` undoes it.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ from . import versions
 PENDING = "_fastft_loss_pending"  # in the head's __dict__ during a fused forward: its _Pending
 
 # What a causal-LM forward may do between its head and its loss for the fused loss to be exact (comments dropped,
-# whitespace collapsed): nothing, an fp32 copy of the logits (exact), the head's input cast to its dtype first,
-# or the logits multiplied or divided by a number the model holds (``self.<attributes>``: Granite's
-# ``config.logits_scaling``, Cohere's ``logit_scale``, Falcon-H1's ``model.lm_head_multiplier``).
+# whitespace collapsed): nothing, an fp32 or contiguous copy of the logits (exact), the head's input cast to its
+# dtype first, or the logits multiplied or divided by a number the model holds (``self.<attributes>``: Granite's
+# ``config.logits_scaling``, Cohere's ``logit_scale``, Falcon-H1's ``model.lm_head_multiplier``); then the logits
+# soft-capped by a number the model holds (Gemma's ``config.final_logit_softcapping`` where it is not None,
+# RecurrentGemma's ``config.logits_soft_cap``).
 _SCALE = r" (?P<op{0}>[*/]) (?P<scale{0}>self(?:\.\w+)+)"
 _HEAD = (
     r"logits = self\.lm_head\(hidden_states(?:\[:, slice_indices, :\])?"
@@ -46,11 +49,15 @@ _HEAD = (
 )
 _BETWEEN = re.compile(
     _HEAD
-    + r"(?:\.float\(\)|"
+    + r"(?:\.float\(\)|\.contiguous\(\)|"
     + _SCALE.format(1)
     + r"| logits = logits"
     + _SCALE.format(2)
-    + r")? loss = None if labels is not None: loss =$"
+    + r")?"
+    + r"(?: if (?P<cap>self(?:\.\w+)+) is not None: logits = logits / (?P=cap) logits = torch\.tanh\(logits\)"
+    + r" logits = logits \* (?P=cap)"
+    + r"| cap = (?P<cap2>self(?:\.\w+)+) logits = nn\.functional\.tanh\(logits / cap\) \* cap)?"
+    + r" loss = None if labels is not None: loss =$"
 )
 _COMMENT = re.compile(r"#[^\n]*")
 
@@ -75,6 +82,17 @@ def _logit_scale(cls) -> tuple[str, tuple[str, ...]] | None:
     for i in (1, 2):
         if found is not None and found.group(f"scale{i}") is not None:
             return found.group(f"op{i}"), tuple(found.group(f"scale{i}").split(".")[1:])
+    return None
+
+
+@functools.cache
+def _softcap_path(cls) -> tuple[tuple[str, ...], bool] | None:
+    """(the attribute path from the model, whether it may be None: no cap) of the soft cap ``cls.forward``
+    applies, or None."""
+    found = _BETWEEN.match(_between(cls) or "")
+    for group, optional in (("cap", True), ("cap2", False)):
+        if found is not None and found.group(group) is not None:
+            return tuple(found.group(group).split(".")[1:]), optional
     return None
 
 
@@ -109,8 +127,9 @@ def blocker(model) -> str | None:
         return f"{name}'s forward changes the logits between its head and its loss ({between[:120]}...)"
     try:
         _scale_of(inner)
+        _softcap_of(inner)
     except (AttributeError, TypeError, ValueError) as error:
-        return f"{name}'s logits scale: {error}"
+        return f"{name}'s logits: {error}"
     from transformers.loss.loss_utils import LOSS_MAPPING
 
     if inner.loss_function is not LOSS_MAPPING["ForCausalLM"]:
@@ -160,6 +179,22 @@ def _scale_of(model) -> float | None:
     return 1.0 / value if op == "/" else float(value)
 
 
+def _softcap_of(model) -> float | None:
+    """The soft cap ``model``'s forward applies to its logits (None where it applies none)."""
+    found = _softcap_path(type(model))
+    if found is None:
+        return None
+    path, optional = found
+    value = model
+    for name in path:
+        value = getattr(value, name)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{'.'.join(('self', *path))} is {value!r}, not None or a finite positive number")
+    return float(value)
+
+
 def _head_forward(self, hidden):
     """A head's forward under ``use_linear_cross_entropy`` (bound to the head): in a fused forward, its input
     handed on, once; else its class's forward."""
@@ -204,6 +239,7 @@ def _loss_function(
         ignore_index=ignore_index,
         reduction="sum" if num_items_in_batch is not None else "mean",
         logit_scale=_scale_of(self),
+        softcap=_softcap_of(self),
     )
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
