@@ -25,6 +25,7 @@ from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from .lora import lora_linear  # noqa: E402
 from .offload import OffloadConfig, offloaded_checkpoint  # noqa: E402
 from .packing import PackedSeqInfo, document_mask_mod, packed_seq_info  # noqa: E402
+from .rms_norm import rms_norm  # noqa: E402
 from .routing import MoERouting, moe_expert_rows, moe_permute, moe_route, moe_unpermute  # noqa: E402
 from .selective_scan import packed_selective_scan  # noqa: E402
 from .ssd import packed_ssd_scan  # noqa: E402
@@ -49,6 +50,7 @@ __all__ = [
     "moe_expert_parallel",
     "swiglu",
     "linear_cross_entropy",
+    "rms_norm",
     "copy",
     "OffloadConfig",
     "offloaded_checkpoint",

@@ -3,6 +3,7 @@ wrong value, each naming the argument."""
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -35,3 +36,11 @@ def number_arg(name: str, value) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     return float(value)
+
+
+def finite_arg(name: str, value) -> float:
+    """``value`` as a finite float: ``TypeError`` unless it is a real number, ``ValueError`` if not finite."""
+    value = number_arg(name, value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value

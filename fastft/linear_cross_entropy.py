@@ -16,14 +16,13 @@ logits and the gradients. The backward scales the kept gradients by the loss's g
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from . import autotune, dispatch
-from ._checks import int_arg, number_arg
+from ._checks import finite_arg, int_arg
 from ._custom_op import custom_op
 from .kernels._launch import cdiv, next_power_of_2
 from .reference import linear_cross_entropy as reference
@@ -282,15 +281,10 @@ def linear_cross_entropy(
             raise ValueError(f"{name} must be on hidden's device {hidden.device}, got {t.device}")
     if block_size is not None:
         block_size = int_arg("block_size", block_size, minimum=1)
-    scale = 1.0
-    if logit_scale is not None:
-        scale = number_arg("logit_scale", logit_scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"logit_scale must be finite, got {scale}")
-    if softcap is not None:
-        softcap = number_arg("softcap", softcap)
-        if not (math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"softcap must be finite and > 0, got {softcap}")
+    scale = 1.0 if logit_scale is None else finite_arg("logit_scale", logit_scale)
+    if softcap is not None and not finite_arg("softcap", softcap) > 0:
+        raise ValueError(f"softcap must be finite and > 0, got {softcap}")
+    softcap = None if softcap is None else float(softcap)
     chosen = dispatch.backend_for(OP_CROSS_ENTROPY, hidden.device, backend)
     width = hidden.shape[-1]
     h = hidden.reshape(-1, width)

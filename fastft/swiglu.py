@@ -19,13 +19,12 @@ Backends: ``triton`` and ``torch`` (the reference, its gradient written out). No
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from . import autotune, dispatch
-from ._checks import bool_arg, number_arg
+from ._checks import bool_arg, finite_arg
 from ._custom_op import custom_op
 from .kernels._launch import next_power_of_2
 from .reference import swiglu as reference
@@ -123,13 +122,6 @@ swiglu_op.register_autograd(_backward, setup_context=_setup)
 # ---- public API ---------------------------------------------------------------------------------------
 
 
-def _finite(name: str, value) -> float:
-    value = number_arg(name, value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
 def swiglu(
     gate_up: torch.Tensor,
     *,
@@ -159,10 +151,10 @@ def swiglu(
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up must be [..., 2W] (an even last dim), got shape {tuple(gate_up.shape)}")
     interleaved = bool_arg("interleaved", interleaved)
-    alpha = _finite("alpha", alpha)
-    up_shift = _finite("up_shift", up_shift)
+    alpha = finite_arg("alpha", alpha)
+    up_shift = finite_arg("up_shift", up_shift)
     if limit is not None:
-        limit = _finite("limit", limit)
+        limit = finite_arg("limit", limit)
         if not 0 < limit <= torch.finfo(torch.float32).max:  # the clamp runs in fp32
             raise ValueError(f"limit must be None or in (0, float32's max], got {limit}")
     chosen = dispatch.backend_for(OP_SWIGLU, gate_up.device, backend)

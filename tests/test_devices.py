@@ -142,6 +142,20 @@ def swiglu_case(device, g):
     return _grads(fastft.swiglu(x, alpha=1.702, limit=7.0, interleaved=True), [x], 4)
 
 
+def rms_norm_case(device, g):
+    x = torch.randn(300, 96, generator=g).to(device, torch.bfloat16).requires_grad_()
+    w = torch.randn(96, generator=g).to(device, torch.bfloat16).requires_grad_()
+    return _grads(fastft.rms_norm(x, w, offset=1.0), [x, w], 4)
+
+
+def linear_cross_entropy_case(device, g):
+    x = torch.randn(300, 64, generator=g).to(device, torch.bfloat16).requires_grad_()
+    w = torch.randn(500, 64, generator=g).to(device, torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 500, (300,), generator=g).to(device)
+    loss = fastft.linear_cross_entropy(x, w, labels, softcap=30.0, block_size=128)
+    return [loss.detach(), *torch.autograd.grad(loss, [x, w])]
+
+
 def experts_case(device, g):
     from fastft import experts
 
@@ -225,6 +239,8 @@ FLOAT_CASES = {
     "ssd": ssd_case,
     "selective_scan": selective_scan_case,
     "swiglu": swiglu_case,
+    "rms_norm": rms_norm_case,
+    "linear_cross_entropy": linear_cross_entropy_case,
     "experts": experts_case,
     "lora": lora_case,
     "offloaded_checkpoint": checkpoint_case(fastft.offloaded_checkpoint),

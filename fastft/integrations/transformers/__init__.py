@@ -2,7 +2,7 @@
 experts blocks from fastft, through transformers' own registries (no model code copied or edited).
 
     from fastft.integrations.transformers import apply
-    model = apply(model)   # packing, offloaded checkpointing, MoE experts, LoRA and the loss: all on
+    model = apply(model)   # packing, offloaded checkpointing, MoE experts, LoRA, the loss and norms: all on
 
 One concern per module, each recording its own undo in the model's ``ModelState``
 (``fastft.integrations.models``), which ``revert`` runs last first:
@@ -23,6 +23,8 @@ One concern per module, each recording its own undo in the model's ``ModelState`
 - ``loss``: ``use_linear_cross_entropy(model)``: a training forward's causal-LM loss through
   ``fastft.linear_cross_entropy`` (no logits of all tokens at once); the model's own loss, with a warning
   naming why, where that would not be exact.
+- ``norms``: ``use_rms_norm(model)``: RMSNorm layers of the forms ``fastft.rms_norm`` computes run it in
+  training forwards.
 - LoRA: PEFT LoRA linear layers through ``fastft.lora.lora_linear`` (``fastft.integrations.peft``).
 
 transformers (5.x; tested with 5.17) is imported only by the functions here.
@@ -31,6 +33,7 @@ transformers (5.x; tested with 5.17) is imported only by the functions here.
 from __future__ import annotations
 
 import functools
+import warnings
 
 from ..._checks import bool_arg, int_arg
 from ...memory_plan import check_memory_budget
@@ -57,6 +60,7 @@ from .experts import use_moe
 from .loss import use_linear_cross_entropy
 from .memory import memory_plan, memory_planner, use_memory_plan
 from .mixers import check_packing, packing_blockers
+from .norms import use_rms_norm
 
 # The user verbs; the names re-exported "as" themselves above stay importable from here, as in 0.2.
 __all__ = [
@@ -67,6 +71,7 @@ __all__ = [
     "enable_gradient_checkpointing",
     "use_memory_plan",
     "use_linear_cross_entropy",
+    "use_rms_norm",
     "memory_plan",
     "memory_planner",
     "use_expert_parallel",
@@ -87,6 +92,7 @@ def apply(
     moe: bool = True,
     lora: bool = True,
     loss: bool = True,
+    norms: bool = True,
     graphs: bool | str = False,
     memory_budget=None,
     max_tokens: int | None = None,
@@ -98,9 +104,11 @@ def apply(
     ``lora``: ``fastft.integrations.peft.use_lora`` when it has PEFT LoRA layers (so call ``apply`` after
     ``peft.get_peft_model``); ``loss``: ``use_linear_cross_entropy``: a training forward with labels computes
     its causal-LM loss without every token's logits, and returns ``logits=None`` (a model whose loss that
-    would change keeps its own, with a warning); ``graphs``: each checkpointed layer replayed as CUDA graphs
-    (``fastft.graphs.graphed_checkpoint``; needs ``offload_checkpointing``), ``"auto"``: only the layers
-    whose eager forward is launch-bound (its ``policy="auto"``); ``memory_budget``: None (every checkpointed
+    would change keeps its own, with a warning); ``norms``: ``use_rms_norm``: RMSNorm layers through
+    ``fastft.rms_norm`` in training forwards (norms of other forms keep theirs, with a warning); ``graphs``:
+    each checkpointed layer replayed as CUDA graphs (``fastft.graphs.graphed_checkpoint``; needs
+    ``offload_checkpointing``), ``"auto"``: only the layers whose eager forward is launch-bound (its
+    ``policy="auto"``); ``memory_budget``: None (every checkpointed
     layer recomputes, its input offloaded), or the memory a step may use: bytes (an int), a fraction of the
     GPU in (0, 1], or ``"auto"`` (what the GPU has free less a margin): each checkpointed layer then keeps,
     selectively checkpoints, recomputes or offloads, planned from the first step's measurements for steps of
@@ -110,7 +118,9 @@ def apply(
     ``memory_budget`` or ``max_tokens``."""
     transformers_model(model)
     versions.check_version()
-    switches = dict(packing=packing, offload_checkpointing=offload_checkpointing, moe=moe, lora=lora, loss=loss)
+    switches = dict(
+        packing=packing, offload_checkpointing=offload_checkpointing, moe=moe, lora=lora, loss=loss, norms=norms
+    )
     for name, value in switches.items():
         bool_arg(name, value)
     graphs_arg(graphs)
@@ -146,6 +156,15 @@ def apply(
                 state.add("lora", None, functools.partial(ft_peft.revert_lora, inner))
         if loss:
             use_linear_cross_entropy(model)
+        if norms and "norms" not in state.records:
+            _, left = use_rms_norm(model)
+            if left:
+                warnings.warn(
+                    f"fastft keeps these RMSNorm layers on their own forward (a form fastft.rms_norm does not "
+                    f"compute, or another library's): {', '.join(left)}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         if offload_checkpointing:
             enable_gradient_checkpointing(model, graphs=graphs)
         if memory_budget is not None:

@@ -165,15 +165,20 @@ def _signature(forward) -> inspect.Signature:
     return inspect.signature(forward)
 
 
+def _attribute(model, path: tuple[str, ...]):
+    """``model``'s attribute at ``path`` (``("config", "logits_scaling")``: ``model.config.logits_scaling``)."""
+    for name in path:
+        model = getattr(model, name)
+    return model
+
+
 def _scale_of(model) -> float | None:
     """The number ``model``'s forward multiplies its logits by (the inverse of a divisor), or None."""
     found = _logit_scale(type(model))
     if found is None:
         return None
     op, path = found
-    value = model
-    for name in path:
-        value = getattr(value, name)
+    value = _attribute(model, path)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0:
         raise ValueError(f"{'.'.join(('self', *path))} is {value!r}, not a finite nonzero number")
     return 1.0 / value if op == "/" else float(value)
@@ -185,9 +190,7 @@ def _softcap_of(model) -> float | None:
     if found is None:
         return None
     path, optional = found
-    value = model
-    for name in path:
-        value = getattr(value, name)
+    value = _attribute(model, path)
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

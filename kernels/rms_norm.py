@@ -1,0 +1,171 @@
+"""Triton kernels for fastft.rms_norm (spec: fastft/reference/rms_norm.py).
+
+Tiles of whole rows (``BLOCK_H``, a power of two at least the width) by ``BLOCK_R`` rows. The forward reads
+each row once and writes the output and the row's fp32 ``r``. The backward reads ``x``, the output's gradient
+and ``r`` once and writes ``x``'s gradient; where the weight's gradient is asked, each program walks a run of
+tiles (software-pipelined), summing it in fp32 registers, and writes one row of partial sums ``[programs, H]``
+that the caller adds up (a fixed order: the same bits on every run). Launch wrappers take explicit launch
+parameters; choosing them is fastft.rms_norm's job. Row offsets are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import cdiv, launch, next_power_of_2
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _rms_norm_forward_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    rstd_ptr,
+    rows,
+    width,
+    stride_x,
+    stride_out,
+    eps,
+    offset,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_H)
+    mask = (r < rows)[:, None] & (c < width)[None, :]
+    x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / width + eps)
+    w = tl.load(w_ptr + c, mask=c < width, other=0.0).to(tl.float32) + offset
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(out_ptr + r[:, None] * stride_out + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + r, rstd, mask=r < rows)
+
+
+@triton.jit(do_not_specialize=["rows", "tiles_per_program"])
+def _rms_norm_backward_kernel(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_ptr,
+    rows,
+    width,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    offset,
+    tiles_per_program,
+    DW: tl.constexpr,
+    STAGES: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    c = tl.arange(0, BLOCK_H)
+    w = tl.load(w_ptr + c, mask=c < width, other=0.0).to(tl.float32) + offset
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for i in tl.range(tiles_per_program, num_stages=STAGES):
+        r = (pid * tiles_per_program + i).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (r < rows)[:, None] & (c < width)[None, :]
+        x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + r[:, None] * stride_dy + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + r, mask=r < rows, other=0.0)
+        n = x * rstd[:, None]
+        g = dy * w[None, :]
+        m = tl.sum(g * n, axis=1) / width
+        dx = rstd[:, None] * (g - n * m[:, None])
+        tl.store(dx_ptr + r[:, None] * stride_dx + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if DW:
+            acc += tl.sum(dy * n, axis=0)
+    if DW:
+        tl.store(dw_ptr + pid.to(tl.int64) * width + c, acc, mask=c < width)
+
+
+def _blocks(width: int, TILE: int) -> tuple[int, int]:
+    block_h = next_power_of_2(width)
+    return max(1, TILE // block_h), block_h
+
+
+def rms_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, *, TILE: int, num_warps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output ``[R, H]`` (``x``'s dtype) and each row's fp32 ``r`` ``[R]`` of ``x`` ``[R, H]`` (unit column
+    stride) and ``weight`` ``[H]`` (contiguous); tiles of about ``TILE`` elements."""
+    rows, width = x.shape
+    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    block_r, block_h = _blocks(width, TILE)
+    if rows:
+        launch(
+            _rms_norm_forward_kernel,
+            (cdiv(rows, block_r),),
+            x,
+            weight,
+            out,
+            rstd,
+            rows,
+            width,
+            x.stride(0),
+            out.stride(0),
+            eps,
+            offset,
+            BLOCK_R=block_r,
+            BLOCK_H=block_h,
+            num_warps=num_warps,
+        )
+    return out, rstd
+
+
+def rms_norm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    grad_weight: bool,
+    *,
+    programs: int,
+    stages: int,
+    TILE: int,
+    num_warps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x``'s gradient (its dtype) and, with ``grad_weight``, ``weight``'s in fp32 (else an empty tensor), from
+    the output's ``dy`` ``[R, H]`` (unit column stride); with ``grad_weight`` at most ``programs`` programs,
+    each summing its rows' share of ``weight``'s gradient, their loads ``stages - 1`` tiles ahead (without, a
+    program a tile)."""
+    rows, width = x.shape
+    dx = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    block_r, block_h = _blocks(width, TILE)
+    tiles = cdiv(rows, block_r)
+    per = cdiv(tiles, max(1, min(programs, tiles))) if grad_weight else 1  # no sums to keep: a program a tile
+    grid = cdiv(tiles, per) if rows else 0
+    partial = torch.empty((grid, width) if grad_weight else (0,), dtype=torch.float32, device=x.device)
+    if rows:
+        launch(
+            _rms_norm_backward_kernel,
+            (grid,),
+            dy,
+            x,
+            weight,
+            rstd,
+            dx,
+            partial,
+            rows,
+            width,
+            dy.stride(0),
+            x.stride(0),
+            dx.stride(0),
+            offset,
+            per,
+            DW=grad_weight,
+            STAGES=stages,
+            BLOCK_R=block_r,
+            BLOCK_H=block_h,
+            num_warps=num_warps,
+        )
+    if not grad_weight:
+        return dx, partial
+    return dx, partial.sum(0) if rows else torch.zeros(width, dtype=torch.float32, device=x.device)

@@ -1,0 +1,111 @@
+"""fastft.integrations.transformers.norms: a model's RMSNorm layers through fastft.rms_norm in training forwards
+(tiny transformers models): each form fastft takes (Llama's, OLMo-2's, Gemma's 1 + weight) trains as the model's
+own, loss and every gradient; evaluation and generation untouched; a weight of another dtype, a norm of another
+form, another library's instance patch left on their own forward (apply says which); revert."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import fastft.integrations.transformers as ft_hf  # noqa: E402
+from fastft.integrations.transformers import norms as ft_norms  # noqa: E402
+from fastft.testing import tiny_hf_model  # noqa: E402
+
+FP32 = dict(atol=1e-5, rtol=1e-5)
+TINY = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1,
+)  # fmt: skip
+FORMS = {  # config class, fields -> the form of its norms: (eps attribute, offset, weight of x's dtype)
+    "LlamaConfig": (dict(), ("variance_epsilon", 0.0, True)),
+    "Olmo2Config": (dict(), ("variance_epsilon", 0.0, False)),
+    "Gemma2Config": (dict(head_dim=16), ("eps", 1.0, False)),
+}
+
+
+def build(config_cls, fields):
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**TINY, **fields)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    with torch.no_grad():  # norms' weights away from their initial 1 (or 0): the weight's part shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.5, 0.3)
+    return model
+
+
+def step(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("config_cls", list(FORMS))
+def test_training_step_is_the_models_own(config_cls, monkeypatch):
+    fields, form = FORMS[config_cls]
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    want = step(build(config_cls, fields), ids)
+    model = build(config_cls, fields)
+    norms = [m for m in model.modules() if ft_norms.is_rms_norm(m)]
+    assert norms and all(ft_norms.norm_form(type(m)) == form for m in norms)
+    calls = []
+    op = ft_norms.rms_norm
+    monkeypatch.setattr(ft_norms, "rms_norm", lambda *a, **k: calls.append(k) or op(*a, **k))
+    taken, left = ft_hf.use_rms_norm(model)
+    assert (taken, left) == (len(norms), [])
+    got = step(model, ids)
+    assert len(calls) == len(norms) and {k["offset"] for k in calls} == {form[1]}
+    torch.testing.assert_close(got[0], want[0], **FP32)
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], **FP32, msg=name)
+    calls.clear()
+    model.eval()  # evaluation and generation: the model's own norms
+    with torch.no_grad():
+        stock = build(config_cls, fields).eval()
+        assert torch.equal(model(input_ids=ids).logits, stock(input_ids=ids).logits)
+        tokens = model.generate(ids[:1, :4], max_new_tokens=4, do_sample=False)
+        assert torch.equal(tokens, stock.generate(ids[:1, :4], max_new_tokens=4, do_sample=False))
+    assert not calls
+
+
+def test_apply_takes_norms_and_revert_gives_them_back():
+    model = ft_hf.apply(tiny_hf_model("qwen3"), offload_checkpointing=False)
+    norms = [m for m in model.modules() if ft_norms.is_rms_norm(m)]
+    assert len(norms) == 2 * 4 + 1  # per layer: input, post-attention, q and k norms; the final norm
+    assert all("forward" in m.__dict__ for m in norms)
+    ft_hf.revert(model)
+    assert not any("forward" in m.__dict__ for m in norms)
+    model = ft_hf.apply(tiny_hf_model("qwen3"), offload_checkpointing=False, norms=False)
+    assert not any("forward" in m.__dict__ for m in model.modules() if ft_norms.is_rms_norm(m))
+
+
+def test_a_weight_of_another_dtype_keeps_the_promoting_product():
+    """Llama's ``weight * x.to(input_dtype)`` promotes to the weight's dtype: an fp32 weight beside bf16 rows gives
+    fp32, which fastft.rms_norm (x's dtype) would not: the norm keeps its own forward there."""
+    model = tiny_hf_model("llama")
+    ft_hf.use_rms_norm(model)
+    norm = model.model.norm
+    x = torch.randn(3, 64).bfloat16()
+    out = norm(x)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, type(norm).forward(norm, x))
+
+
+def test_other_forms_and_instance_patches_are_left_and_named():
+    class ClampedRMSNorm(transformers.models.llama.modeling_llama.LlamaRMSNorm):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states).clamp(-1, 1)
+
+    model = tiny_hf_model("llama")
+    model.model.norm = ClampedRMSNorm(64)
+    patched = model.model.layers[0].input_layernorm
+    patched.forward = lambda x: x  # another library's instance patch
+    with pytest.warns(RuntimeWarning, match="ClampedRMSNorm, LlamaRMSNorm"):
+        ft_hf.apply(model, offload_checkpointing=False)
+    assert "forward" not in model.model.norm.__dict__
+    assert patched.forward(torch.ones(1)) is not None and "forward" in model.model.layers[1].input_layernorm.__dict__
+    ft_hf.revert(model)
+    assert "forward" in patched.__dict__  # the other library's patch stays
