@@ -82,7 +82,7 @@ def test_apply_takes_norms_and_revert_gives_them_back():
     assert not any("forward" in m.__dict__ for m in model.modules() if ft_norms.is_rms_norm(m))
 
 
-def test_a_weight_of_another_dtype_keeps_the_promoting_product():
+def test_a_weight_of_another_dtype_and_keyword_calls_keep_the_class_forward():
     """Llama's ``weight * x.to(input_dtype)`` promotes to the weight's dtype: an fp32 weight beside bf16 rows gives
     fp32, which fastft.rms_norm (x's dtype) would not: the norm keeps its own forward there."""
     model = tiny_hf_model("llama")
@@ -92,6 +92,8 @@ def test_a_weight_of_another_dtype_keeps_the_promoting_product():
     out = norm(x)
     assert out.dtype == torch.float32
     assert torch.equal(out, type(norm).forward(norm, x))
+    x = torch.randn(3, 64)
+    assert torch.equal(norm(hidden_states=x), type(norm).forward(norm, x))  # by keyword: the class's forward
 
 
 def test_other_forms_and_instance_patches_are_left_and_named():

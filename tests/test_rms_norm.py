@@ -101,6 +101,17 @@ def test_half_precision_within_stock_error(backend, device, rng, dtype):
     _check(x, w.float().detach().requires_grad_(), backend, offset=1.0)  # an fp32 weight beside bf16 rows
 
 
+@pytest.mark.parametrize("tile", [16, 32, 128])
+def test_forward_kernel_tiles(device, rng, tile):
+    """Tiles of one row (narrower than a row: its block still whole) or several, a last tile cut short."""
+    kernels = pytest.importorskip("fastft.kernels.rms_norm")
+    x = torch.randn(37, 20, generator=rng).to(device)
+    w = torch.randn(20, generator=rng).to(device)
+    out, rstd = kernels.rms_norm_forward(x, w, 1e-6, 1.0, TILE=tile, num_warps=1)
+    torch.testing.assert_close(out, reference.rms_norm(x, w, 1e-6, 1.0), **FP32)
+    torch.testing.assert_close(rstd, reference.rms_norm_rstd(x, 1e-6), **FP32)
+
+
 @pytest.mark.parametrize("programs, tile", [(1, 32), (2, 32), (5, 64), (100, 16)])
 def test_backward_kernel_programs_and_tiles(device, rng, programs, tile):
     """Programs that each walk several tiles (or none past the last), tiles of one or several rows: the

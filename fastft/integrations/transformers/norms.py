@@ -86,9 +86,12 @@ def is_rms_norm(module) -> bool:
     return cls.__name__.endswith("RMSNorm") and not (cls.__module__ or "").startswith("liger_kernel")
 
 
-def _norm_forward(self, hidden_states):
-    """A norm's forward under ``use_rms_norm`` (bound to the norm): ``fastft.rms_norm`` in a training forward,
-    else its class's forward."""
+def _norm_forward(self, *args, **kwargs):
+    """A norm's forward under ``use_rms_norm`` (bound to the norm): ``fastft.rms_norm`` of its one input in a
+    training forward, else its class's forward."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
+        return type(self).forward(self, *args, **kwargs)
+    (hidden_states,) = args
     eps_name, offset, same_dtype = norm_form(type(self))
     weight = self.weight
     if (
