@@ -165,11 +165,20 @@ def _signature(forward) -> inspect.Signature:
     return inspect.signature(forward)
 
 
-def _attribute(model, path: tuple[str, ...]):
+def _held(model, path: tuple[str, ...]):
     """``model``'s attribute at ``path`` (``("config", "logits_scaling")``: ``model.config.logits_scaling``)."""
     for name in path:
         model = getattr(model, name)
     return model
+
+
+def _checked(value, path: tuple[str, ...], positive: bool, expected: str) -> float:
+    """``value`` (held at ``path``) as a float if finite and nonzero (positive where asked), else a ``ValueError``
+    saying it is not ``expected``."""
+    number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not number or not (value > 0 if positive else value != 0):
+        raise ValueError(f"{'.'.join(('self', *path))} is {value!r}, not {expected}")
+    return float(value)
 
 
 def _scale_of(model) -> float | None:
@@ -178,10 +187,8 @@ def _scale_of(model) -> float | None:
     if found is None:
         return None
     op, path = found
-    value = _attribute(model, path)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0:
-        raise ValueError(f"{'.'.join(('self', *path))} is {value!r}, not a finite nonzero number")
-    return 1.0 / value if op == "/" else float(value)
+    value = _checked(_held(model, path), path, False, "a finite nonzero number")
+    return 1.0 / value if op == "/" else value
 
 
 def _softcap_of(model) -> float | None:
@@ -190,12 +197,10 @@ def _softcap_of(model) -> float | None:
     if found is None:
         return None
     path, optional = found
-    value = _attribute(model, path)
+    value = _held(model, path)
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{'.'.join(('self', *path))} is {value!r}, not None or a finite positive number")
-    return float(value)
+    return _checked(value, path, True, "None or a finite positive number" if optional else "a finite positive number")
 
 
 def _head_forward(self, hidden):
