@@ -26,6 +26,7 @@ from .lora import lora_linear  # noqa: E402
 from .offload import OffloadConfig, offloaded_checkpoint  # noqa: E402
 from .packing import PackedSeqInfo, document_mask_mod, packed_seq_info  # noqa: E402
 from .rms_norm import rms_norm  # noqa: E402
+from .rotary import rotary  # noqa: E402
 from .routing import MoERouting, moe_expert_rows, moe_permute, moe_route, moe_unpermute  # noqa: E402
 from .selective_scan import packed_selective_scan  # noqa: E402
 from .ssd import packed_ssd_scan  # noqa: E402
@@ -51,6 +52,7 @@ __all__ = [
     "swiglu",
     "linear_cross_entropy",
     "rms_norm",
+    "rotary",
     "copy",
     "OffloadConfig",
     "offloaded_checkpoint",

@@ -391,26 +391,53 @@ def check_rms_norm(g: torch.Generator, device, max_tokens: int) -> None:
     assert_same(got[2], want[2], atol=1e-4 * scale, rtol=1e-5, path=f"rms_norm dweight ({rows} x {width}, {kw})")
 
 
+def check_rotary(g: torch.Generator, device, max_tokens: int) -> None:
+    """``fastft.rotary`` on the dispatched backend against ``fastft.reference.rotary`` on random batches, heads,
+    tokens, head and rotary widths, with ``q`` and ``k`` as transposed views (transformers' layout): both
+    outputs and gradients, fp32 within 1e-5."""
+    from fastft.reference import rotary as reference
+
+    batch, tokens = randint(g, 1, 2), randint(g, 1, max(1, max_tokens // 2))
+    heads_q, heads_k, width = randint(g, 1, 6), randint(g, 1, 3), 2 * randint(g, 1, 40)
+    r = 2 * randint(g, 1, width // 2)
+    q = torch.randn(batch, tokens, heads_q, width, generator=g).to(device).transpose(1, 2).requires_grad_()
+    k = torch.randn(batch, tokens, heads_k, width, generator=g).to(device).transpose(1, 2).requires_grad_()
+    angles = torch.randn((batch, 1)[randint(g, 0, 1)], tokens, r, generator=g).to(device)
+    cos, sin = angles.cos(), angles.sin()
+    grads = [torch.randn(t.shape, generator=g).to(device) for t in (q, k)]
+    out = fastft.rotary(q, k, cos, sin)
+    expected = reference.rotary(q, k, cos, sin)
+    got = (*out, *torch.autograd.grad(out, (q, k), grads))
+    want = (*expected, *torch.autograd.grad(expected, (q, k), grads))
+    for name, a, b in zip(("q", "k", "dq", "dk"), got, want):
+        assert_same(a, b, atol=1e-5, rtol=1e-5, path=f"rotary {name} ({tuple(q.shape)}, k {tuple(k.shape)}, R={r})")
+
+
 def check_swiglu(g: torch.Generator, device, max_tokens: int) -> None:
     """``fastft.swiglu`` on the dispatched backend against ``fastft.reference.swiglu`` on random rows, widths,
-    layouts and constants (gpt-oss's clamped gate among them): the output and its gradient, fp32 within 1e-5."""
+    layouts (the gate and up fused, interleaved or apart) and constants (gpt-oss's clamped gate among them): the
+    output and its gradients, fp32 within 1e-5."""
     from fastft.reference import swiglu as reference
 
     rows, width = randint(g, 0, max_tokens), randint(g, 1, 48)
+    layout = ("side by side", "interleaved", "apart")[randint(g, 0, 2)]
     kw = dict(
-        interleaved=bool(randint(g, 0, 1)),
         alpha=(1.0, 1.702)[randint(g, 0, 1)],
         limit=(None, 7.0, 0.5)[randint(g, 0, 2)],
         up_shift=float(randint(g, 0, 1)),
     )
-    x = (torch.randn(rows, 2 * width, generator=g) * 4).to(device).requires_grad_()
+    if layout == "apart":
+        inputs = [(torch.randn(rows, width, generator=g) * 4).to(device).requires_grad_() for _ in range(2)]
+    else:
+        kw["interleaved"] = layout == "interleaved"
+        inputs = [(torch.randn(rows, 2 * width, generator=g) * 4).to(device).requires_grad_()]
     grad = torch.randn(rows, width, generator=g).to(device)
-    out = fastft.swiglu(x, **kw)
-    expected = reference.swiglu(x, **kw)
-    got = (out, *torch.autograd.grad(out, x, grad))
-    want = (expected, *torch.autograd.grad(expected, x, grad))
-    for name, a, b in zip(("out", "dgate_up"), got, want):
-        assert_same(a, b, atol=1e-5, rtol=1e-5, path=f"swiglu {name} ({rows} x {width}, {kw})")
+    out = fastft.swiglu(*inputs, **kw)
+    expected = reference.swiglu(*inputs, **kw)
+    got = (out, *torch.autograd.grad(out, inputs, grad))
+    want = (expected, *torch.autograd.grad(expected, inputs, grad))
+    for name, a, b in zip(("out", "dgate", "dup") if layout == "apart" else ("out", "dgate_up"), got, want):
+        assert_same(a, b, atol=1e-5, rtol=1e-5, path=f"swiglu {name} ({rows} x {width}, {layout}, {kw})")
 
 
 def check_linear_cross_entropy(g: torch.Generator, device, max_tokens: int) -> None:
@@ -513,6 +540,7 @@ CHECKS = {
     "conv": check_conv,
     "swiglu": check_swiglu,
     "rms_norm": check_rms_norm,
+    "rotary": check_rotary,
     "linear_cross_entropy": check_linear_cross_entropy,
     "experts": check_experts,
 }

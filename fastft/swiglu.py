@@ -1,19 +1,21 @@
-"""SwiGLU over a fused gate-up projection: one pass each way instead of a chain of elementwise kernels.
+"""SwiGLU: one pass each way instead of a chain of elementwise kernels.
 
     out = fastft.swiglu(gate_up)                                              # silu(gate) * up, [gate | up]
     out = fastft.swiglu(gate_up, interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)      # gpt-oss
+    out = fastft.swiglu(mlp.gate_proj(x), mlp.up_proj(x))                     # a dense MLP: silu(gate) * up
 
-The activation between a MoE expert's gate-up and down projections (and any fused gate-up MLP):
+The activation between a MoE expert's gate-up and down projections, a fused gate-up MLP's, or a dense MLP's
+(``down_proj(act(gate_proj(x)) * up_proj(x))``):
 
-    gate, up = halves of gate_up's last dim, side by side or interleaved
+    gate, up = halves of gate_up's last dim, side by side or interleaved (or two tensors)
     gate, up = min(gate, limit), clamp(up, -limit, limit)       (with a limit)
     out = (up + up_shift) * gate * sigmoid(alpha * gate)
 
-computed in fp32, the output in ``gate_up``'s dtype; ``fastft/reference/swiglu.py`` is the specification.
-transformers' experts gates spell it as several kernels each way (gpt-oss's: seven forward, more backward,
-each reading and writing a ``[rows, W]`` tensor, and autograd keeps their outputs); here the forward reads
-``gate_up`` once and writes the output, and the backward (which recomputes the activation from ``gate_up``,
-the only tensor saved) reads ``gate_up`` and the output's gradient and writes ``gate_up``'s gradient.
+computed in fp32, the output in the inputs' dtype; ``fastft/reference/swiglu.py`` is the specification.
+transformers spells it as several kernels each way (gpt-oss's: seven forward, more backward; a dense MLP's
+two forward and three backward), each reading and writing a ``[rows, W]`` tensor, and autograd keeps their
+outputs; here the forward reads the inputs once and writes the output, and the backward (which recomputes the
+activation from the inputs, the only tensors saved) reads them and the output's gradient and writes theirs.
 Backends: ``triton`` and ``torch`` (the reference, its gradient written out). No GPU sync.
 """
 
@@ -37,11 +39,12 @@ OP_SWIGLU_BACKWARD = "swiglu.swiglu_backward"
 
 # Tiles of 4 rows x 1024 columns (fewer for narrower outputs): near the best of the tiles tried for
 # Qwen3-30B-A3B's and gpt-oss's experts each way (docs/benchmarks.md).
-# The interpreter's small tiles make small test inputs span several programs.
+# The interpreter runs a program in milliseconds: a tiny model's MLP rows in one or a few (the tests give the
+# kernels small tiles themselves).
 for _op in (OP_SWIGLU, OP_SWIGLU_BACKWARD):
     autotune.register(
         _op,
-        autotune.Tunable({"BLOCK_R": 4, "BLOCK_C": 1024, "num_warps": 8}, interpreter={"BLOCK_R": 2, "BLOCK_C": 8}),
+        autotune.Tunable({"BLOCK_R": 4, "BLOCK_C": 1024, "num_warps": 8}, interpreter={"BLOCK_R": 64, "BLOCK_C": 256}),
     )
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -50,10 +53,18 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ---- custom ops: one kernel (or the torch reference) per call, on the backend named, no validation ----
 
 
-def _params(op: str, x: torch.Tensor) -> dict:
-    """``op``'s launch parameters for ``x`` ``[R, 2W]``: a tile no wider than the output's ``W`` columns."""
-    cfg = autotune.params(op, x.device, x.numel())
-    return {**cfg, "BLOCK_C": min(cfg["BLOCK_C"], next_power_of_2(x.shape[1] // 2))}
+def _params(op: str, x: torch.Tensor, width: int) -> dict:
+    """``op``'s launch parameters for rows of ``x``'s and an output ``width`` columns wide: a tile no wider."""
+    cfg = autotune.params(op, x.device, x.shape[0] * 2 * width)
+    return {**cfg, "BLOCK_C": min(cfg["BLOCK_C"], next_power_of_2(width))}
+
+
+def _split(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' gate and up arguments for ``x`` ``[R, 2W]``: its halves' views, or ``x`` twice."""
+    if interleaved:
+        return x, x
+    width = x.shape[1] // 2
+    return x[:, :width], x[:, width:]
 
 
 def _reference(x, interleaved, alpha, limit, up_shift):
@@ -74,7 +85,9 @@ def swiglu_op(
         return _reference(x, interleaved, alpha, limit, up_shift)
     from .kernels import swiglu as kernels
 
-    return kernels.swiglu_forward(x, interleaved, alpha, limit, up_shift, **_params(OP_SWIGLU, x))
+    width = x.shape[1] // 2
+    params = _params(OP_SWIGLU, x, width)
+    return kernels.swiglu_forward(*_split(x, interleaved), interleaved, alpha, limit, up_shift, **params)
 
 
 @swiglu_op.register_fake
@@ -97,7 +110,12 @@ def swiglu_backward_op(
         return reference.swiglu_backward(dy, x, interleaved, alpha, limit, up_shift)
     from .kernels import swiglu as kernels
 
-    return kernels.swiglu_backward(dy, x, interleaved, alpha, limit, up_shift, **_params(OP_SWIGLU_BACKWARD, x))
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    params = _params(OP_SWIGLU_BACKWARD, x, dy.shape[1])
+    gate, up = _split(x, interleaved)
+    dgate, dup = _split(dx, interleaved)
+    kernels.swiglu_backward(dy, gate, up, dgate, dup, interleaved, alpha, limit, up_shift, **params)
+    return dx
 
 
 @swiglu_backward_op.register_fake
@@ -119,11 +137,75 @@ def _backward(ctx, grad):
 swiglu_op.register_autograd(_backward, setup_context=_setup)
 
 
+@custom_op("fastft::swiglu_pair")
+def swiglu_pair_op(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    alpha: float,
+    limit: Optional[float],  # noqa: UP045
+    up_shift: float,
+    backend: str,
+) -> torch.Tensor:
+    """``[R, W]`` in ``gate.dtype`` from ``gate`` and ``up`` ``[R, W]`` of one dtype, unit column strides."""
+    if backend == "torch" or gate.numel() == 0:
+        return reference.swiglu(gate, up, alpha=alpha, limit=limit, up_shift=up_shift)
+    from .kernels import swiglu as kernels
+
+    return kernels.swiglu_forward(gate, up, False, alpha, limit, up_shift, **_params(OP_SWIGLU, gate, gate.shape[1]))
+
+
+@swiglu_pair_op.register_fake
+def _(gate, up, alpha, limit, up_shift, backend):
+    return gate.new_empty(gate.shape)
+
+
+@custom_op("fastft::swiglu_pair_backward")
+def swiglu_pair_backward_op(
+    dy: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    alpha: float,
+    limit: Optional[float],  # noqa: UP045
+    up_shift: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate``'s and ``up``'s gradients (contiguous, their dtype) from the output's, ``dy`` contiguous."""
+    if backend == "torch" or gate.numel() == 0:
+        return reference.swiglu_pair_backward(dy, gate, up, alpha, limit, up_shift)
+    from .kernels import swiglu as kernels
+
+    dgate, dup = torch.empty_like(dy), torch.empty_like(dy)
+    params = _params(OP_SWIGLU_BACKWARD, gate, gate.shape[1])
+    kernels.swiglu_backward(dy, gate, up, dgate, dup, False, alpha, limit, up_shift, **params)
+    return dgate, dup
+
+
+@swiglu_pair_backward_op.register_fake
+def _(dy, gate, up, alpha, limit, up_shift, backend):
+    return torch.empty_like(dy), torch.empty_like(dy)
+
+
+def _pair_setup(ctx, inputs, output):
+    gate, up, alpha, limit, up_shift, backend = inputs
+    ctx.args = (alpha, limit, up_shift, backend)
+    ctx.save_for_backward(gate, up)
+
+
+def _pair_backward(ctx, grad):
+    gate, up = ctx.saved_tensors
+    dgate, dup = swiglu_pair_backward_op.op(grad.contiguous(), gate, up, *ctx.args)
+    return dgate, dup, None, None, None, None
+
+
+swiglu_pair_op.register_autograd(_pair_backward, setup_context=_pair_setup)
+
+
 # ---- public API ---------------------------------------------------------------------------------------
 
 
 def swiglu(
     gate_up: torch.Tensor,
+    up: torch.Tensor | None = None,
     *,
     interleaved: bool = False,
     alpha: float = 1.0,
@@ -132,25 +214,41 @@ def swiglu(
     backend: str | None = None,
 ) -> torch.Tensor:
     """``(up + up_shift) * gate * sigmoid(alpha * gate)`` of the gate and up halves of ``gate_up``'s last dim
-    (``[gate | up]``, or ``gate0, up0, gate1, ...`` if ``interleaved``), the gate clamped to ``<= limit`` and
-    the up half to ``[-limit, limit]`` if ``limit`` is given (see the module docstring).
+    (``[gate | up]``, or ``gate0, up0, gate1, ...`` if ``interleaved``), or of the gate ``gate_up`` and ``up``
+    given apart; the gate clamped to ``<= limit`` and the up half to ``[-limit, limit]`` if ``limit`` is given
+    (see the module docstring).
 
     ``gate_up``: ``[..., 2W]`` fp32, bf16 or fp16, any strides; returns ``[..., W]`` in its dtype, computed
-    in fp32. Differentiable in ``gate_up`` (a clamped entry passes no gradient beyond its bound, as
-    ``torch.clamp``). ``backend``: ``auto``, ``triton`` or ``torch`` (default ``FASTFT_BACKEND``). No GPU sync.
+    in fp32. With ``up`` (``interleaved`` then False): ``gate_up`` is the gate, and both are ``[..., W]`` of one
+    shape and dtype on one device. Differentiable in ``gate_up`` and ``up`` (a clamped entry passes no gradient
+    beyond its bound, as ``torch.clamp``). ``backend``: ``auto``, ``triton`` or ``torch`` (default
+    ``FASTFT_BACKEND``). No GPU sync.
 
-    Raises ``TypeError`` for a non-tensor or non-floating ``gate_up``, a non-bool ``interleaved``, or
-    ``alpha``/``limit``/``up_shift`` that are not numbers; ``ValueError`` for a 0-d ``gate_up`` or an odd
-    last dim, a non-finite ``alpha`` or ``up_shift``, a ``limit`` that is not in ``(0, float32's max]``, an
-    unknown backend.
+    Raises ``TypeError`` for a non-tensor or non-floating ``gate_up`` or ``up``, a non-bool ``interleaved``, or
+    ``alpha``/``limit``/``up_shift`` that are not numbers; ``ValueError`` for a 0-d ``gate_up`` or (without
+    ``up``) an odd last dim, an ``up`` of another shape, dtype or device than the gate's, or with
+    ``interleaved``, a non-finite ``alpha`` or ``up_shift``, a ``limit`` that is not in ``(0, float32's max]``,
+    an unknown backend.
     """
     if not isinstance(gate_up, torch.Tensor):
         raise TypeError(f"gate_up must be a tensor, got {type(gate_up).__name__}")
     if gate_up.dtype not in _DTYPES:
         raise TypeError(f"gate_up must be float32, bfloat16 or float16, got {gate_up.dtype}")
-    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
-        raise ValueError(f"gate_up must be [..., 2W] (an even last dim), got shape {tuple(gate_up.shape)}")
+    if gate_up.dim() == 0:
+        raise ValueError("gate_up must be [..., 2W] (an even last dim), or the gate [..., W] with up; got a 0-d tensor")
     interleaved = bool_arg("interleaved", interleaved)
+    if up is not None:
+        if not isinstance(up, torch.Tensor):
+            raise TypeError(f"up must be None or a tensor, got {type(up).__name__}")
+        if up.shape != gate_up.shape or up.dtype != gate_up.dtype or up.device != gate_up.device:
+            raise ValueError(
+                f"up must have the gate's shape, dtype and device {tuple(gate_up.shape)}, {gate_up.dtype}, "
+                f"{gate_up.device}; got {tuple(up.shape)}, {up.dtype}, {up.device}"
+            )
+        if interleaved:
+            raise ValueError("interleaved must be False when up is given apart")
+    elif gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up must be [..., 2W] (an even last dim), got shape {tuple(gate_up.shape)}")
     alpha = finite_arg("alpha", alpha)
     up_shift = finite_arg("up_shift", up_shift)
     if limit is not None:
@@ -158,11 +256,18 @@ def swiglu(
         if not 0 < limit <= torch.finfo(torch.float32).max:  # the clamp runs in fp32
             raise ValueError(f"limit must be None or in (0, float32's max], got {limit}")
     chosen = dispatch.backend_for(OP_SWIGLU, gate_up.device, backend)
+    if up is not None:
+        width = gate_up.shape[-1]
+        if width == 0:
+            return (gate_up * up)[..., :0].clone()
+        gate, up_rows = (_unit(t.reshape(-1, width)) for t in (gate_up, up))
+        return swiglu_pair_op(gate, up_rows, alpha, limit, up_shift, chosen).view(gate_up.shape)
     two_w = gate_up.shape[-1]
     if two_w == 0:  # W = 0: an empty [..., 0], still connected to gate_up
         return gate_up[..., :0].clone()
-    x = gate_up.reshape(-1, two_w)
-    if two_w > 1 and x.stride(1) != 1:
-        x = x.contiguous()
-    out = swiglu_op(x, interleaved, alpha, limit, up_shift, chosen)
+    out = swiglu_op(_unit(gate_up.reshape(-1, two_w)), interleaved, alpha, limit, up_shift, chosen)
     return out.view(*gate_up.shape[:-1], two_w // 2)
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x if x.shape[1] <= 1 or x.stride(1) == 1 else x.contiguous()

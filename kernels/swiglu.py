@@ -1,7 +1,8 @@
-"""Triton kernels for SwiGLU over a fused gate-up projection (spec: fastft/reference/swiglu.py).
+"""Triton kernels for SwiGLU (spec: fastft/reference/swiglu.py).
 
-Rows x columns tiles of the output; each program reads its columns' gate and up entries, computes in fp32 and
-writes the output (forward) or both halves' gradients (backward, the activation recomputed from ``gate_up``:
+Rows x columns tiles of the output; each program reads its columns' gate and up entries (two row-strided
+tensors: a fused gate-up projection's halves, or two projections' outputs), computes in fp32 and
+writes the output (forward) or both inputs' gradients (backward, the activation recomputed from the inputs:
 nothing else is saved). Side-by-side halves are two contiguous tiles; interleaved ones one contiguous tile
 of twice the width, split in registers (and the gradients interleaved back before one store). Launch wrappers
 take explicit launch parameters; choosing them is fastft.swiglu's job. Row offsets are int64.
@@ -17,19 +18,30 @@ from ._launch import cdiv, launch
 
 
 @triton.jit
-def _halves(x_ptr, r, stride_x, rows, width, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """fp32 gate and up ``[BLOCK_R, BLOCK_C]`` of rows ``r`` and this program's output columns."""
-    row = x_ptr + r[:, None] * stride_x
+def _halves(
+    g_ptr,
+    u_ptr,
+    r,
+    stride_g,
+    stride_u,
+    rows,
+    width,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """fp32 gate and up ``[BLOCK_R, BLOCK_C]`` of rows ``r`` and this program's output columns (interleaved:
+    both from ``g_ptr``'s rows)."""
     if INTERLEAVED:
         cc = tl.program_id(1) * (2 * BLOCK_C) + tl.arange(0, 2 * BLOCK_C)
         mask = (r < rows)[:, None] & (cc < 2 * width)[None, :]
-        pairs = tl.load(row + cc[None, :], mask=mask, other=0).to(tl.float32)
+        pairs = tl.load(g_ptr + r[:, None] * stride_g + cc[None, :], mask=mask, other=0).to(tl.float32)
         g, u = tl.split(tl.reshape(pairs, (BLOCK_R, BLOCK_C, 2)))
     else:
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = (r < rows)[:, None] & (c < width)[None, :]
-        g = tl.load(row + c[None, :], mask=mask, other=0).to(tl.float32)
-        u = tl.load(row + width + c[None, :], mask=mask, other=0).to(tl.float32)
+        g = tl.load(g_ptr + r[:, None] * stride_g + c[None, :], mask=mask, other=0).to(tl.float32)
+        u = tl.load(u_ptr + r[:, None] * stride_u + c[None, :], mask=mask, other=0).to(tl.float32)
     return g, u
 
 
@@ -43,11 +55,13 @@ def _clamped(g, u, limit):
 
 @triton.jit(do_not_specialize=["rows"])
 def _swiglu_forward_kernel(
-    x_ptr,
+    g_ptr,
+    u_ptr,
     out_ptr,
     rows,
     width,
-    stride_x,
+    stride_g,
+    stride_u,
     alpha,
     limit,
     up_shift,
@@ -58,7 +72,7 @@ def _swiglu_forward_kernel(
 ):
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    g, u = _halves(x_ptr, r, stride_x, rows, width, INTERLEAVED, BLOCK_R, BLOCK_C)
+    g, u = _halves(g_ptr, u_ptr, r, stride_g, stride_u, rows, width, INTERLEAVED, BLOCK_R, BLOCK_C)
     if LIMIT:
         g, u = _clamped(g, u, limit)
     y = (u + up_shift) * (g * tl.sigmoid(g * alpha))
@@ -68,12 +82,17 @@ def _swiglu_forward_kernel(
 
 @triton.jit(do_not_specialize=["rows"])
 def _swiglu_backward_kernel(
-    x_ptr,
+    g_ptr,
+    u_ptr,
     dy_ptr,
-    dx_ptr,
+    dg_ptr,
+    du_ptr,
     rows,
     width,
-    stride_x,
+    stride_g,
+    stride_u,
+    stride_dg,
+    stride_du,
     alpha,
     limit,
     up_shift,
@@ -85,7 +104,7 @@ def _swiglu_backward_kernel(
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (r < rows)[:, None] & (c < width)[None, :]
-    g, u = _halves(x_ptr, r, stride_x, rows, width, INTERLEAVED, BLOCK_R, BLOCK_C)
+    g, u = _halves(g_ptr, u_ptr, r, stride_g, stride_u, rows, width, INTERLEAVED, BLOCK_R, BLOCK_C)
     dy = tl.load(dy_ptr + r[:, None] * width + c[None, :], mask=mask, other=0).to(tl.float32)
     gc = g
     uc = u
@@ -97,24 +116,24 @@ def _swiglu_backward_kernel(
     if LIMIT:  # torch.clamp's gradient: where the input lies within its bounds, ends included
         dg = tl.where(g <= limit, dg, 0.0)
         du = tl.where((u >= -limit) & (u <= limit), du, 0.0)
-    row = dx_ptr + r[:, None] * (2 * width)
     if INTERLEAVED:
         cc = tl.program_id(1) * (2 * BLOCK_C) + tl.arange(0, 2 * BLOCK_C)
-        pairs = tl.interleave(dg, du).to(dx_ptr.dtype.element_ty)
-        tl.store(row + cc[None, :], pairs, mask=(r < rows)[:, None] & (cc < 2 * width)[None, :])
+        pairs = tl.interleave(dg, du).to(dg_ptr.dtype.element_ty)
+        mask2 = (r < rows)[:, None] & (cc < 2 * width)[None, :]
+        tl.store(dg_ptr + r[:, None] * stride_dg + cc[None, :], pairs, mask=mask2)
     else:
-        tl.store(row + c[None, :], dg.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(row + width + c[None, :], du.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dg_ptr + r[:, None] * stride_dg + c[None, :], dg.to(dg_ptr.dtype.element_ty), mask=mask)
+        tl.store(du_ptr + r[:, None] * stride_du + c[None, :], du.to(du_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(kernel, tensors, rows, width, stride_x, interleaved, alpha, limit, up_shift, BLOCK_R, BLOCK_C, num_warps):
+def _launch(kernel, tensors, strides, rows, width, interleaved, alpha, limit, up_shift, BLOCK_R, BLOCK_C, num_warps):
     launch(
         kernel,
         (cdiv(rows, BLOCK_R), cdiv(width, BLOCK_C)),
         *tensors,
         rows,
         width,
-        stride_x,
+        *strides,
         float(alpha),
         float(limit if limit is not None else 0.0),
         float(up_shift),
@@ -127,7 +146,8 @@ def _launch(kernel, tensors, rows, width, stride_x, interleaved, alpha, limit, u
 
 
 def swiglu_forward(
-    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
     interleaved: bool,
     alpha: float,
     limit: float | None,
@@ -137,17 +157,22 @@ def swiglu_forward(
     BLOCK_C: int,
     num_warps: int,
 ) -> torch.Tensor:
-    """``[R, W]`` in ``x.dtype`` from ``x`` ``[R, 2W]`` (unit column stride)."""
-    rows, width = x.shape[0], x.shape[1] // 2
-    out = x.new_empty((rows, width))
-    args = (rows, width, x.stride(0), interleaved, alpha, limit, up_shift, BLOCK_R, BLOCK_C, num_warps)
-    _launch(_swiglu_forward_kernel, (x, out), *args)
+    """``[R, W]`` in ``gate.dtype`` from ``gate`` and ``up`` ``[R, W]`` (unit column strides; views of one
+    ``[R, 2W]`` tensor's halves, or two tensors), or with ``interleaved`` from ``gate`` ``[R, 2W]`` alone
+    (``up`` is ignored)."""
+    rows, width = gate.shape[0], gate.shape[1] // 2 if interleaved else gate.shape[1]
+    out = gate.new_empty((rows, width))
+    args = (rows, width, interleaved, alpha, limit, up_shift, BLOCK_R, BLOCK_C, num_warps)
+    _launch(_swiglu_forward_kernel, (gate, up, out), (gate.stride(0), up.stride(0)), *args)
     return out
 
 
 def swiglu_backward(
     dy: torch.Tensor,
-    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    dgate: torch.Tensor,
+    dup: torch.Tensor,
     interleaved: bool,
     alpha: float,
     limit: float | None,
@@ -156,10 +181,11 @@ def swiglu_backward(
     BLOCK_R: int,
     BLOCK_C: int,
     num_warps: int,
-) -> torch.Tensor:
-    """``[R, 2W]`` in ``x.dtype``: the gradient of ``x`` (unit column stride) given contiguous ``dy`` ``[R, W]``."""
+) -> None:
+    """Writes ``gate``'s and ``up``'s gradients into ``dgate`` and ``dup`` (their shapes, unit column strides)
+    given contiguous ``dy`` ``[R, W]``; with ``interleaved``, ``gate``'s (``[R, 2W]``, both halves) into
+    ``dgate`` alone."""
     rows, width = dy.shape
-    dx = torch.empty((rows, 2 * width), dtype=x.dtype, device=x.device)
-    args = (rows, width, x.stride(0), interleaved, alpha, limit, up_shift, BLOCK_R, BLOCK_C, num_warps)
-    _launch(_swiglu_backward_kernel, (x, dy, dx), *args)
-    return dx
+    args = (rows, width, interleaved, alpha, limit, up_shift, BLOCK_R, BLOCK_C, num_warps)
+    strides = (gate.stride(0), up.stride(0), dgate.stride(0), dup.stride(0))
+    _launch(_swiglu_backward_kernel, (gate, up, dy, dgate, dup), strides, *args)

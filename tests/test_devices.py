@@ -148,6 +148,19 @@ def rms_norm_case(device, g):
     return _grads(fastft.rms_norm(x, w, offset=1.0), [x, w], 4)
 
 
+def rotary_case(device, g):
+    q = torch.randn(2, 40, 5, 64, generator=g).to(device, torch.bfloat16).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 40, 2, 64, generator=g).to(device, torch.bfloat16).transpose(1, 2).requires_grad_()
+    angles = torch.randn(1, 40, 32, generator=g).to(device)
+    out = fastft.rotary(q, k, angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16))
+    return [*(t.detach() for t in out), *torch.autograd.grad(out, [q, k], [torch.ones_like(t) for t in out])]
+
+
+def swiglu_pair_case(device, g):
+    gate, up = (torch.randn(300, 40, generator=g).to(device, torch.bfloat16).requires_grad_() for _ in range(2))
+    return _grads(fastft.swiglu(gate, up), [gate, up], 4)
+
+
 def linear_cross_entropy_case(device, g):
     x = torch.randn(300, 64, generator=g).to(device, torch.bfloat16).requires_grad_()
     w = torch.randn(500, 64, generator=g).to(device, torch.bfloat16).requires_grad_()
@@ -240,6 +253,8 @@ FLOAT_CASES = {
     "selective_scan": selective_scan_case,
     "swiglu": swiglu_case,
     "rms_norm": rms_norm_case,
+    "rotary": rotary_case,
+    "swiglu apart": swiglu_pair_case,
     "linear_cross_entropy": linear_cross_entropy_case,
     "experts": experts_case,
     "lora": lora_case,

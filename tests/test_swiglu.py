@@ -1,6 +1,7 @@
-"""fastft.swiglu: the reference against transformers' own experts gates, both backends (forward and gradient)
-against the reference on random shapes and constants (hypothesis), clamp bounds, odd strides, bf16, argument
-checks, and on a GPU bf16 at the e2e MoE widths without a host sync. fp32 tolerance: 1e-5."""
+"""fastft.swiglu: the reference against transformers' own experts gates and dense MLP, both backends (forward
+and gradient) against the reference on random shapes and constants (hypothesis), the gate and up fused or
+apart, clamp bounds, odd strides, bf16, argument checks, and on a GPU bf16 at the e2e MoE and dense MLP widths
+without a host sync. fp32 tolerance: 1e-5."""
 
 import types
 
@@ -45,6 +46,62 @@ def test_reference_is_transformers_gates(rng):
     assert not torch.allclose(reference.swiglu(x, interleaved=True), reference.swiglu(x), **FP32)
 
 
+def _check_pair(gate, up, backend, rng, tol=FP32, **kw):
+    """fastft.swiglu(gate, up) on ``backend`` against the reference in fp32: output and both gradients."""
+    out = fastft.swiglu(gate, up, backend=backend, **kw)
+    assert out.shape == gate.shape and out.dtype == gate.dtype
+    grad = torch.randn(out.shape, generator=rng).to(gate.device, gate.dtype)
+    leaves = [t.detach().float().requires_grad_() for t in (gate, up)]
+    want = reference.swiglu(*leaves, **kw)
+    torch.testing.assert_close(out.float(), want, **tol)
+    got = torch.autograd.grad(out, (gate, up), grad)
+    for a, b in zip(got, torch.autograd.grad(want, leaves, grad.float())):
+        assert a.dtype == gate.dtype and a.shape == gate.shape
+        torch.testing.assert_close(a.float(), b, **tol)
+
+
+def test_reference_pair_is_transformers_dense_mlp(rng):
+    """``swiglu(gate, up)`` is LlamaMLP's ``act_fn(gate_proj(x)) * up_proj(x)`` with SiLU, and the fused form's
+    halves given apart."""
+    gate, up = (torch.randn(9, 13, generator=rng) * 4 for _ in range(2))
+    torch.testing.assert_close(reference.swiglu(gate, up), F.silu(gate) * up, **FP32)
+    torch.testing.assert_close(
+        reference.swiglu(gate, up, alpha=1.702, limit=0.5),
+        reference.swiglu(torch.cat((gate, up), dim=-1), alpha=1.702, limit=0.5),
+        **FP32,
+    )
+    dy = torch.randn(9, 13, generator=rng)
+    leaves = [t.clone().requires_grad_() for t in (gate, up)]
+    want = torch.autograd.grad(reference.swiglu(*leaves, limit=2.0, up_shift=1.0), leaves, dy)
+    got = reference.swiglu_pair_backward(dy, gate, up, 1.0, 2.0, 1.0)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **FP32)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@given(
+    rows=st.integers(0, 40),
+    width=st.integers(1, 37),
+    alpha=st.sampled_from([1.0, 1.702]),
+    limit=st.sampled_from([None, 0.75]),
+    up_shift=st.sampled_from([0.0, 1.0]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_pair_matches_reference(backend, device, rows, width, alpha, limit, up_shift, seed):
+    rng = torch.Generator().manual_seed(seed)
+    gate, up = ((torch.randn(rows, width, generator=rng) * 3).to(device).requires_grad_() for _ in range(2))
+    _check_pair(gate, up, backend, rng, alpha=alpha, limit=limit, up_shift=up_shift)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_pair_any_strides_and_leading_dims(backend, device, rng):
+    base = torch.randn(2, 5, 40, generator=rng).to(device)
+    gate = base[..., 3:27].requires_grad_()  # rows strided past the 24 columns used
+    up = torch.randn(24, 10, generator=rng).to(device).t().reshape(2, 5, 24).requires_grad_()
+    _check_pair(gate, up, backend, rng)
+    _check_pair(gate, up, backend, rng, tol=FP32, alpha=1.702, limit=1.5)
+
+
 def test_reference_is_gpt_oss_apply_gate(rng):
     modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
     block = types.SimpleNamespace(alpha=1.702, limit=7.0)
@@ -66,6 +123,33 @@ def test_matches_reference(backend, device, rows, width, interleaved, alpha, lim
     rng = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, 2 * width, generator=rng) * 3).to(device).requires_grad_()
     _check(x, backend, rng, interleaved=interleaved, alpha=alpha, limit=limit, up_shift=up_shift)
+
+
+def test_kernel_tiles(device, rng):
+    """Tiles of a few rows and columns (the dispatcher's on the CPU cover a small input in one program): every
+    layout's output and gradients as the reference's."""
+    kernels = pytest.importorskip("fastft.kernels.swiglu")
+    x = torch.randn(13, 2 * 21, generator=rng).to(device) * 3
+    dy = torch.randn(13, 21, generator=rng).to(device)
+    kw = dict(alpha=1.702, limit=2.0, up_shift=1.0)
+    for block_r, block_c in ((2, 8), (4, 16), (1, 32)):
+        tiles = dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=1)
+        for interleaved in (False, True):
+            gate, up = (x, x) if interleaved else (x[:, :21], x[:, 21:])
+            out = kernels.swiglu_forward(gate, up, interleaved, *kw.values(), **tiles)
+            torch.testing.assert_close(out, reference.swiglu(x, interleaved=interleaved, **kw), **FP32)
+            dx = torch.empty_like(x)
+            dgate, dup = (dx, dx) if interleaved else (dx[:, :21], dx[:, 21:])
+            kernels.swiglu_backward(dy, gate, up, dgate, dup, interleaved, *kw.values(), **tiles)
+            want = reference.swiglu_backward(dy, x, interleaved, *kw.values())
+            torch.testing.assert_close(dx, want, **FP32)
+        gate, up = x[:, :21].contiguous(), x[:, 21:].contiguous()  # apart
+        out = kernels.swiglu_forward(gate, up, False, *kw.values(), **tiles)
+        torch.testing.assert_close(out, reference.swiglu(gate, up, **kw), **FP32)
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        kernels.swiglu_backward(dy, gate, up, dgate, dup, False, *kw.values(), **tiles)
+        for a, b in zip((dgate, dup), reference.swiglu_pair_backward(dy, gate, up, *kw.values())):
+            torch.testing.assert_close(a, b, **FP32)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -115,6 +199,8 @@ def test_half_precision_within_rounding(device, rng, dtype):
     x = (torch.randn(33, 2 * 24, generator=rng) * 3).to(device, dtype).requires_grad_()
     for kw in ({}, GPT_OSS):
         _check(x, "triton", rng, tol=dict(atol=2e-2, rtol=1.6e-2), **kw)  # output and gradient rounded once
+    gate, up = x.detach()[:, :24].requires_grad_(), x.detach()[:, 24:].requires_grad_()
+    _check_pair(gate, up, "triton", rng, tol=dict(atol=2e-2, rtol=1.6e-2))
 
 
 def test_torch_compile_traces_the_op_and_its_backward(device, rng):
@@ -152,6 +238,14 @@ def test_checks_arguments(device):
         fastft.swiglu(x, limit=float("inf"))
     with pytest.raises(ValueError, match="backend must be one of"):
         fastft.swiglu(x, backend="cuda")
+    with pytest.raises(TypeError, match="up must be None or a tensor"):
+        fastft.swiglu(x, [1.0])
+    for bad in (x[:, :3], x.double(), x.half()):
+        with pytest.raises(ValueError, match="up must have the gate's shape, dtype and device"):
+            fastft.swiglu(x, bad)
+    with pytest.raises(ValueError, match="interleaved must be False when up is given"):
+        fastft.swiglu(x, x, interleaved=True)
+    fastft.swiglu(torch.randn(4, 5, device=device), torch.randn(4, 5, device=device))  # odd widths apart: fine
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -162,6 +256,11 @@ def test_empty(backend, device, shape):
     assert out.shape == shape[:-1] + (shape[-1] // 2,) and out.dtype == x.dtype
     out.sum().backward()
     assert x.grad is not None and x.grad.shape == shape
+    gate, up = (torch.zeros(shape, device=device, requires_grad=True) for _ in range(2))
+    out = fastft.swiglu(gate, up, backend=backend)
+    assert out.shape == shape
+    out.sum().backward()
+    assert gate.grad.shape == shape and up.grad.shape == shape
 
 
 @pytest.mark.gpu
@@ -181,6 +280,27 @@ def test_gpu_bf16_at_moe_widths_without_sync(rng, rows, width, kw):
     want = reference.swiglu(leaf, **kw)
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=1.6e-2)
     torch.testing.assert_close(dx.float(), _grad(want, leaf, grad.float()), atol=2e-2, rtol=1.6e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_pair_bf16_at_dense_mlp_widths_without_sync(rng):
+    """Qwen3-8B's MLP (12,288 wide) over a 16k-token step, gate and up apart, bf16, against fp32."""
+    gate, up = (
+        (torch.randn(16384, 12288, generator=rng) * 3).to("cuda", torch.bfloat16).requires_grad_() for _ in range(2)
+    )
+    grad = torch.randn(16384, 12288, generator=rng).to("cuda", torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = fastft.swiglu(gate, up)
+        got = torch.autograd.grad(out, (gate, up), grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    leaves = [t.detach().float().requires_grad_() for t in (gate, up)]
+    want = reference.swiglu(*leaves)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=1.6e-2)
+    for a, b in zip(got, torch.autograd.grad(want, leaves, grad.float())):
+        torch.testing.assert_close(a.float(), b, atol=2e-2, rtol=1.6e-2)
 
 
 def test_the_check_command_case(device, rng):

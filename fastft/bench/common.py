@@ -68,14 +68,15 @@ def copy_gbs(device: torch.device) -> float | None:
 
 
 def fwd_and_bwd(forwards: dict, leaves, grad, device, *, nbytes: dict, copy_bw: float | None, rep_ms: int):
-    """Each of ``forwards`` (label -> function returning the output; ``"ours"`` among them) timed forward, then
+    """Each of ``forwards`` (label -> function returning the output or a tuple of outputs, with ``grad`` a tuple
+    then; ``"ours"`` among them) timed forward, then
     forward + backward (the gradient of ``leaves`` for ``grad``): ``[(mode, {label: ms}, {label: peak GiB or
     None}, note)]``, where the note gives ``"ours"``' bandwidth against the HBM floor: ``nbytes[mode]`` bytes at
     the device copy's ``copy_bw`` GB/s (``copy_gbs``; None: no note)."""
     results = []
     for mode in ("fwd", "fwd+bwd"):
         if mode == "fwd":
-            fns = {k: (lambda f=f: f().detach()) for k, f in forwards.items()}
+            fns = {k: (lambda f=f: _detached(f())) for k, f in forwards.items()}
         else:
             fns = {k: (lambda f=f: torch.autograd.grad(f(), leaves, grad)) for k, f in forwards.items()}
         ms = {k: time_ms(fn, device, rep_ms=rep_ms) for k, fn in fns.items()}
@@ -87,6 +88,10 @@ def fwd_and_bwd(forwards: dict, leaves, grad, device, *, nbytes: dict, copy_bw: 
             note += f" ({floor:.3f} ms at copy bandwidth)"
         results.append((mode, ms, peak, note))
     return results
+
+
+def _detached(out):
+    return tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()
 
 
 def graph_ms(fn, *, rep_ms: int = 100) -> float:

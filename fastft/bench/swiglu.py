@@ -1,6 +1,7 @@
 """Benchmark for fastft.swiglu: the gate between a MoE expert's gate-up and down projections, on the routed rows
-of a 16k-token step of the e2e MoE models, forward and forward + backward, against transformers' gates in
-torch ops (the default ``silu(gate) * up`` over the halves; gpt-oss's clamped, interleaved gate). Time,
+of a 16k-token step of the e2e MoE models, and a dense MLP's ``act_fn(gate_proj(x)) * up_proj(x)`` (gate and up
+apart) at Qwen3-8B's widths, forward and forward + backward, against transformers' gates in torch ops (the
+default ``silu(gate) * up`` over the halves; gpt-oss's clamped, interleaved gate; LlamaMLP's product). Time,
 traffic against the HBM floor (a device copy's bandwidth), and peak memory."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ SHAPES = {
     "Qwen3-30B-A3B": (16384 * 8, 768, {}),
     "gpt-oss-20b": (16384 * 4, 2880, GPT_OSS),
     "Qwen3.5-MoE": (16384 * 8, 512, {}),
+    "Qwen3-8B MLP": (16384, 12288, None),  # None: gate and up apart, a dense MLP's
 }
 
 
@@ -49,12 +51,23 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         g = torch.Generator().manual_seed(0)
         x = (torch.randn(count, 2 * width, generator=g) * 3).to(device, dtype).requires_grad_()
         grad = torch.randn(count, width, generator=g).to(device, dtype)
-        forwards = {
-            "ours": lambda: fastft.swiglu(x, **kw),
-            BASELINE: lambda: transformers_gate(x, **kw),
-        }
-        torch.testing.assert_close(forwards["ours"]().float(), transformers_gate(x.float(), **kw), atol=2e-2, rtol=2e-2)
-        element = x.element_size()
+        if kw is None:  # two tensors, as two projections' outputs
+            gate, up = (x.detach()[:, :width].contiguous().requires_grad_(), x.detach()[:, width:].contiguous())
+            up.requires_grad_()
+            x = (gate, up)
+            forwards = {
+                "ours": lambda: fastft.swiglu(gate, up),
+                BASELINE: lambda: F.silu(gate) * up,
+            }
+            want = F.silu(gate.float()) * up.float()
+        else:
+            forwards = {
+                "ours": lambda: fastft.swiglu(x, **kw),
+                BASELINE: lambda: transformers_gate(x, **kw),
+            }
+            want = transformers_gate(x.float(), **kw)
+        torch.testing.assert_close(forwards["ours"]().float(), want, atol=2e-2, rtol=2e-2)
+        element = grad.element_size()
         nbytes = {
             "fwd": 3 * count * width * element,  # read gate_up, write out
             "fwd+bwd": 8 * count * width * element,  # and read gate_up and dout, write dgate_up
@@ -63,7 +76,10 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         for mode, ms, peak, note in fwd_and_bwd(forwards, x, grad, device, nbytes=nbytes, copy_bw=copy_bw, rep_ms=rep):
             if note:
                 note += f"; peak {peak['ours']:.2f} GiB vs {peak[BASELINE]:.2f} GiB"
-            layout = "interleaved, clamped" if kw.get("interleaved") else "halves"
-            case = f"{name} experts' gate: {count} rows x W={width} ({layout}), {dtype}, {mode}"
+            if kw is None:
+                case = f"{name}: {count} rows x W={width} (gate and up apart), {dtype}, {mode}"
+            else:
+                layout = "interleaved, clamped" if kw.get("interleaved") else "halves"
+                case = f"{name} experts' gate: {count} rows x W={width} ({layout}), {dtype}, {mode}"
             rows.append(Row("swiglu", case, BASELINE, ms[BASELINE], ms["ours"], backend, note))
     return rows

@@ -1,7 +1,9 @@
-"""SwiGLU over a fused gate-up projection, in plain torch: the specification of ``fastft.swiglu``.
+"""SwiGLU, in plain torch: the specification of ``fastft.swiglu``.
 
 ``gate_up`` holds each row's gate and up halves, side by side (``[gate | up]``, transformers' default experts
-gate) or interleaved (``gate0, up0, gate1, up1, ...``: gpt-oss). With ``limit``, the gate is clamped from above
+gate and fused gate-up MLPs) or interleaved (``gate0, up0, gate1, up1, ...``: gpt-oss); or the gate and up
+are two tensors of one shape (``swiglu(gate, up)``: a dense MLP's ``gate_proj`` and ``up_proj`` outputs).
+With ``limit``, the gate is clamped from above
 and the up half to ``[-limit, limit]`` (gpt-oss, and its kin); then
 
     out = (up + up_shift) * gate * sigmoid(alpha * gate)
@@ -9,7 +11,8 @@ and the up half to ``[-limit, limit]`` (gpt-oss, and its kin); then
 in fp32, the output in ``gate_up``'s dtype. ``alpha=1, limit=None, up_shift=0`` is ``silu(gate) * up``;
 gpt-oss is ``interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0``. Differentiable (autograd through
 these torch ops: a clamped entry passes no gradient beyond its bound, as ``torch.clamp``).
-``swiglu_backward`` is the torch backend's gradient: that derivative written out (tested against autograd).
+``swiglu_backward`` and ``swiglu_pair_backward`` are the torch backend's gradients: that derivative written out
+(tested against autograd).
 """
 
 from __future__ import annotations
@@ -23,25 +26,23 @@ def _halves(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Ten
 
 def swiglu(
     gate_up: torch.Tensor,
+    up: torch.Tensor | None = None,
     *,
     interleaved: bool = False,
     alpha: float = 1.0,
     limit: float | None = None,
     up_shift: float = 0.0,
 ) -> torch.Tensor:
-    """``[..., W]`` in ``gate_up``'s dtype from ``gate_up`` ``[..., 2W]`` (see the module docstring)."""
-    gate, up = _halves(gate_up.float(), interleaved)
+    """``[..., W]`` in ``gate_up``'s dtype from ``gate_up`` ``[..., 2W]``, or from the gate ``gate_up`` and
+    ``up``, both ``[..., W]`` (see the module docstring)."""
+    gate, up = (gate_up.float(), up.float()) if up is not None else _halves(gate_up.float(), interleaved)
     if limit is not None:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
     return ((up + up_shift) * (gate * torch.sigmoid(gate * alpha))).to(gate_up.dtype)
 
 
-def swiglu_backward(
-    dy: torch.Tensor, gate_up: torch.Tensor, interleaved: bool, alpha: float, limit: float | None, up_shift: float
-) -> torch.Tensor:
-    """``gate_up``'s gradient (its shape and dtype) given the output's, ``dy`` ``[..., W]``; in fp32."""
-    gate, up = _halves(gate_up.float(), interleaved)
+def _grads(dy, gate, up, alpha, limit, up_shift):
     dy = dy.float()
     g, u = gate, up
     if limit is not None:
@@ -52,5 +53,21 @@ def swiglu_backward(
     if limit is not None:  # torch.clamp's gradient: inside the bounds, ends included (none for NaN)
         dgate = torch.where(gate <= limit, dgate, 0.0)
         dup = torch.where((up >= -limit) & (up <= limit), dup, 0.0)
+    return dgate, dup
+
+
+def swiglu_backward(
+    dy: torch.Tensor, gate_up: torch.Tensor, interleaved: bool, alpha: float, limit: float | None, up_shift: float
+) -> torch.Tensor:
+    """``gate_up``'s gradient (its shape and dtype) given the output's, ``dy`` ``[..., W]``; in fp32."""
+    dgate, dup = _grads(dy, *_halves(gate_up.float(), interleaved), alpha, limit, up_shift)
     dx = torch.stack((dgate, dup), dim=-1).flatten(-2) if interleaved else torch.cat((dgate, dup), dim=-1)
     return dx.to(gate_up.dtype)
+
+
+def swiglu_pair_backward(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float | None, up_shift: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate``'s and ``up``'s gradients (their dtypes) given the output's, ``dy``; in fp32."""
+    dgate, dup = _grads(dy, gate.float(), up.float(), alpha, limit, up_shift)
+    return dgate.to(gate.dtype), dup.to(up.dtype)
