@@ -2,7 +2,7 @@
 experts blocks from fastft, through transformers' own registries (no model code copied or edited).
 
     from fastft.integrations.transformers import apply
-    model = apply(model)   # packing, offloaded checkpointing, MoE experts, LoRA, the loss and norms: all on
+    model = apply(model)   # packing, offloaded checkpointing, MoE experts, LoRA, the loss, norms, SwiGLU, rotary
 
 One concern per module, each recording its own undo in the model's ``ModelState``
 (``fastft.integrations.models``), which ``revert`` runs last first:
@@ -25,6 +25,10 @@ One concern per module, each recording its own undo in the model's ``ModelState`
   naming why, where that would not be exact.
 - ``norms``: ``use_rms_norm(model)``: RMSNorm layers of the forms ``fastft.rms_norm`` computes run it in
   training forwards.
+- ``mlps``: ``use_swiglu(model)``: gated MLPs with SiLU run ``fastft.swiglu`` between their projections in
+  training forwards.
+- ``rotary``: ``use_rotary(model)``: attention layers' ``apply_rotary_pos_emb`` of the forms ``fastft.rotary``
+  computes runs it in their training forwards.
 - LoRA: PEFT LoRA linear layers through ``fastft.lora.lora_linear`` (``fastft.integrations.peft``).
 
 transformers (5.x; tested with 5.17) is imported only by the functions here.
@@ -60,7 +64,9 @@ from .experts import use_moe
 from .loss import use_linear_cross_entropy
 from .memory import memory_plan, memory_planner, use_memory_plan
 from .mixers import check_packing, packing_blockers
+from .mlps import use_swiglu
 from .norms import use_rms_norm
+from .rotary import use_rotary
 
 # The user verbs; the names re-exported "as" themselves above stay importable from here, as in 0.2.
 __all__ = [
@@ -72,6 +78,8 @@ __all__ = [
     "use_memory_plan",
     "use_linear_cross_entropy",
     "use_rms_norm",
+    "use_swiglu",
+    "use_rotary",
     "memory_plan",
     "memory_planner",
     "use_expert_parallel",
@@ -93,6 +101,8 @@ def apply(
     lora: bool = True,
     loss: bool = True,
     norms: bool = True,
+    swiglu: bool = True,
+    rotary: bool = True,
     graphs: bool | str = False,
     memory_budget=None,
     max_tokens: int | None = None,
@@ -105,7 +115,11 @@ def apply(
     ``peft.get_peft_model``); ``loss``: ``use_linear_cross_entropy``: a training forward with labels computes
     its causal-LM loss without every token's logits, and returns ``logits=None`` (a model whose loss that
     would change keeps its own, with a warning); ``norms``: ``use_rms_norm``: RMSNorm layers through
-    ``fastft.rms_norm`` in training forwards (norms of other forms keep theirs, with a warning); ``graphs``:
+    ``fastft.rms_norm`` in training forwards (norms of other forms keep theirs, with a warning); ``swiglu``:
+    ``use_swiglu``: gated MLPs' ``silu(gate) * up`` through ``fastft.swiglu`` in training forwards (other forms
+    and activations keep theirs, with a warning); ``rotary``: ``use_rotary``: the attention layers'
+    ``apply_rotary_pos_emb`` through ``fastft.rotary`` in training forwards (other forms keep theirs, with a
+    warning); ``graphs``:
     each checkpointed layer replayed as CUDA graphs (``fastft.graphs.graphed_checkpoint``; needs
     ``offload_checkpointing``), ``"auto"``: only the layers whose eager forward is launch-bound (its
     ``policy="auto"``); ``memory_budget``: None (every checkpointed
@@ -119,7 +133,14 @@ def apply(
     transformers_model(model)
     versions.check_version()
     switches = dict(
-        packing=packing, offload_checkpointing=offload_checkpointing, moe=moe, lora=lora, loss=loss, norms=norms
+        packing=packing,
+        offload_checkpointing=offload_checkpointing,
+        moe=moe,
+        lora=lora,
+        loss=loss,
+        norms=norms,
+        swiglu=swiglu,
+        rotary=rotary,
     )
     for name, value in switches.items():
         bool_arg(name, value)
@@ -162,6 +183,24 @@ def apply(
                 warnings.warn(
                     f"fastft keeps these RMSNorm layers on their own forward (a form fastft.rms_norm does not "
                     f"compute, or another library's): {', '.join(left)}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        if swiglu and "swiglu" not in state.records:
+            _, left = use_swiglu(model)
+            if left:
+                warnings.warn(
+                    f"fastft keeps these gated MLPs on their own forward (a form or activation fastft.swiglu does "
+                    f"not compute, or another library's): {', '.join(left)}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        if rotary and "rotary" not in state.records:
+            _, left = use_rotary(model)
+            if left:
+                warnings.warn(
+                    f"fastft keeps these attention layers on their own apply_rotary_pos_emb (a form fastft.rotary "
+                    f"does not compute, or another library's patch): {', '.join(left)}",
                     RuntimeWarning,
                     stacklevel=2,
                 )

@@ -20,14 +20,13 @@ which. The forward set is a bound method on each instance; ``revert`` removes it
 from __future__ import annotations
 
 import functools
-import inspect
-import re
 import types
 
 import torch
 
 from ...rms_norm import rms_norm
 from ..models import model_state, stepping_aside, transformers_model
+from .source import body
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PROLOGUE = (
@@ -55,28 +54,16 @@ _FORMS = {
         False,
     ),
 }
-_DOCSTRING = re.compile(r'^("""|\'\'\').*?\1 ?', re.S)
-
-
-def _body(fn) -> str | None:
-    """``fn``'s body: comments and a docstring dropped, whitespace collapsed (None without source)."""
-    try:
-        source = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return None
-    source = " ".join(re.sub(r"#[^\n]*", "", source).split())
-    header = re.match(r"def \w+\(.*?\)(?: -> [\w.\[\], |]+)?: ", source)
-    return None if header is None else _DOCSTRING.sub("", source[header.end() :])
 
 
 @functools.cache
 def norm_form(cls) -> tuple[str, float, bool] | None:
     """(eps attribute, offset, whether the weight must have the input's dtype) of a norm class whose forward
     is ``fastft.rms_norm``'s math, or None."""
-    forward = _body(cls.forward)
+    forward = body(cls.forward)
     if forward is None:
         return None
-    norm = _body(cls._norm) if "self._norm(" in forward and hasattr(cls, "_norm") else None
+    norm = body(cls._norm) if "self._norm(" in forward and hasattr(cls, "_norm") else None
     return _FORMS.get((forward, norm))
 
 
