@@ -78,7 +78,7 @@ def _(dq, dk, cos, sin, backend):
 def _setup(ctx, inputs, output):
     q, k, cos, sin, backend = inputs
     ctx.backend = backend
-    ctx.shapes = (q, k)
+    ctx.inputs = [(t.shape, t.dtype, t.device) for t in (q, k)]  # for a gradient not given; not the tensors
     ctx.save_for_backward(cos, sin)
 
 
@@ -88,10 +88,11 @@ def _unit(t: torch.Tensor) -> torch.Tensor:
 
 def _backward(ctx, grad_q, grad_k):
     cos, sin = ctx.saved_tensors
-    q, k = ctx.shapes
-    grad_q = torch.zeros(q.shape, dtype=q.dtype, device=q.device) if grad_q is None else _unit(grad_q)
-    grad_k = torch.zeros(k.shape, dtype=k.dtype, device=k.device) if grad_k is None else _unit(grad_k)
-    dq, dk = rotary_backward_op.op(grad_q, grad_k, cos, sin, ctx.backend)
+    grads = [
+        torch.zeros(shape, dtype=dtype, device=device) if g is None else _unit(g)
+        for g, (shape, dtype, device) in zip((grad_q, grad_k), ctx.inputs)
+    ]
+    dq, dk = rotary_backward_op.op(*grads, cos, sin, ctx.backend)
     return dq, dk, None, None, None
 
 

@@ -142,6 +142,21 @@ def test_only_q_requires_grad(device, rng):
     torch.testing.assert_close(got, reference.rotary_backward(dy, k, cos, sin)[0], **FP32)
 
 
+def test_the_graph_keeps_neither_input(device, rng):
+    """The backward needs only cos and sin: q and k (here intermediates) are freed once their last user is gone."""
+    import weakref
+
+    leaf_q, leaf_k = _qk(1, 2, 1, 7, 8, rng, device)
+    cos, sin = _angles(1, 7, 8, rng, device)
+    q, k = leaf_q * 2, leaf_k * 2
+    refs = [weakref.ref(q), weakref.ref(k)]
+    out = fastft.rotary(q, k, cos, sin)
+    del q, k
+    assert all(r() is None for r in refs)
+    sum(t.sum() for t in out).backward()
+    assert leaf_q.grad is not None and leaf_k.grad is not None
+
+
 def test_torch_compile_traces_the_op_and_its_backward(device, rng):
     q, k = _qk(1, 2, 1, 7, 8, rng, device)
     cos, sin = _angles(1, 7, 8, rng, device)
