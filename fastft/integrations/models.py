@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import types
 from collections.abc import Callable
 
 import torch
@@ -43,6 +44,19 @@ def stepping_aside() -> bool:
 def step_aside(delta: int) -> None:
     """Count a forward that runs the model's own code in (+1) or out (-1), in this thread."""
     _aside.count = max(getattr(_aside, "count", 0) + delta, 0)
+
+
+def patch_forward(module, fn) -> None:
+    """``fn`` bound to ``module`` as its forward (an instance attribute, over its class's)."""
+    module.__dict__["forward"] = types.MethodType(fn, module)
+
+
+def unpatch_forwards(modules, fn) -> None:
+    """Remove ``patch_forward``'s ``fn`` from each of ``modules`` where it is still there (a library that patched
+    an instance since keeps its own)."""
+    for module in modules:
+        if getattr(module.__dict__.get("forward"), "__func__", None) is fn:
+            del module.__dict__["forward"]
 
 
 def hf_model(model):

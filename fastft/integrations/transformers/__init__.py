@@ -91,6 +91,13 @@ __all__ = [
     "packing_blockers",
 ]
 
+# What a RuntimeWarning of apply names, for each concern that leaves layers on their own code.
+_LEFT = {
+    "norms": "RMSNorm layers on their own forward (a form fastft.rms_norm",
+    "swiglu": "gated MLPs on their own forward (a form or activation fastft.swiglu",
+    "rotary": "attention layers on their own apply_rotary_pos_emb (a form fastft.rotary",
+}
+
 
 def apply(
     model,
@@ -177,33 +184,16 @@ def apply(
                 state.add("lora", None, functools.partial(ft_peft.revert_lora, inner))
         if loss:
             use_linear_cross_entropy(model)
-        if norms and "norms" not in state.records:
-            _, left = use_rms_norm(model)
-            if left:
-                warnings.warn(
-                    f"fastft keeps these RMSNorm layers on their own forward (a form fastft.rms_norm does not "
-                    f"compute, or another library's): {', '.join(left)}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        if swiglu and "swiglu" not in state.records:
-            _, left = use_swiglu(model)
-            if left:
-                warnings.warn(
-                    f"fastft keeps these gated MLPs on their own forward (a form or activation fastft.swiglu does "
-                    f"not compute, or another library's): {', '.join(left)}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        if rotary and "rotary" not in state.records:
-            _, left = use_rotary(model)
-            if left:
-                warnings.warn(
-                    f"fastft keeps these attention layers on their own apply_rotary_pos_emb (a form fastft.rotary "
-                    f"does not compute, or another library's patch): {', '.join(left)}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+        layers = (("norms", norms, use_rms_norm), ("swiglu", swiglu, use_swiglu), ("rotary", rotary, use_rotary))
+        for key, on, use in layers:
+            if on and key not in state.records:
+                _, left = use(model)
+                if left:
+                    warnings.warn(
+                        f"fastft keeps these {_LEFT[key]} does not compute, or another library's): {', '.join(left)}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
         if offload_checkpointing:
             enable_gradient_checkpointing(model, graphs=graphs)
         if memory_budget is not None:

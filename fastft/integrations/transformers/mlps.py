@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import torch
 
 from ...swiglu import swiglu
-from ..models import model_state, stepping_aside, transformers_model
+from ..models import model_state, patch_forward, stepping_aside, transformers_model, unpatch_forwards
 from .source import body
 
 
@@ -130,13 +129,11 @@ def use_swiglu(model) -> tuple[int, list[str]]:
         if "forward" in module.__dict__ or form is None or not is_silu(getattr(module, form.act, None)):
             left.add(type(module).__name__)
             continue
-        module.__dict__["forward"] = types.MethodType(_mlp_forward, module)
+        patch_forward(module, _mlp_forward)
         taken.append(module)
 
-    def undo():  # what is still fastft's (a library that patched an instance since keeps its own)
-        for module in taken:
-            if getattr(module.__dict__.get("forward"), "__func__", None) is _mlp_forward:
-                del module.__dict__["forward"]
+    def undo():
+        unpatch_forwards(taken, _mlp_forward)
 
     result = (len(taken), sorted(left))
     state.add("swiglu", result, undo)

@@ -20,12 +20,11 @@ which. The forward set is a bound method on each instance; ``revert`` removes it
 from __future__ import annotations
 
 import functools
-import types
 
 import torch
 
 from ...rms_norm import rms_norm
-from ..models import model_state, stepping_aside, transformers_model
+from ..models import model_state, patch_forward, stepping_aside, transformers_model, unpatch_forwards
 from .source import body
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -109,13 +108,11 @@ def use_rms_norm(model) -> tuple[int, list[str]]:
         if "forward" in module.__dict__ or norm_form(type(module)) is None:
             left.add(type(module).__name__)
             continue
-        module.__dict__["forward"] = types.MethodType(_norm_forward, module)
+        patch_forward(module, _norm_forward)
         taken.append(module)
 
-    def undo():  # what is still fastft's (a library that patched an instance since keeps its own)
-        for module in taken:
-            if getattr(module.__dict__.get("forward"), "__func__", None) is _norm_forward:
-                del module.__dict__["forward"]
+    def undo():
+        unpatch_forwards(taken, _norm_forward)
 
     result = (len(taken), sorted(left))
     state.add("norms", result, undo)

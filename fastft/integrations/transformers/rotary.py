@@ -27,12 +27,11 @@ import dataclasses
 import functools
 import inspect
 import threading
-import types
 
 import torch
 
 from ...rotary import rotary
-from ..models import model_state, stepping_aside, transformers_model
+from ..models import model_state, patch_forward, stepping_aside, transformers_model, unpatch_forwards
 from .source import body
 
 NAME = "apply_rotary_pos_emb"
@@ -193,15 +192,13 @@ def use_rotary(model) -> tuple[int, list[str]]:
             left.add(type(module).__name__)
             continue
         namespaces[id(namespace)] = (namespace, original, form)
-        module.__dict__["forward"] = types.MethodType(_attention_forward, module)
+        patch_forward(module, _attention_forward)
         taken.append(module)
     for namespace, original, form in namespaces.values():
         _install(namespace, original, form)
 
     def undo():
-        for module in taken:  # what is still fastft's (a library that patched an instance since keeps its own)
-            if getattr(module.__dict__.get("forward"), "__func__", None) is _attention_forward:
-                del module.__dict__["forward"]
+        unpatch_forwards(taken, _attention_forward)
         for namespace, _, _ in namespaces.values():
             _uninstall(namespace)
 
