@@ -415,8 +415,8 @@ def check_rotary(g: torch.Generator, device, max_tokens: int) -> None:
 
 def check_swiglu(g: torch.Generator, device, max_tokens: int) -> None:
     """``fastft.swiglu`` on the dispatched backend against ``fastft.reference.swiglu`` on random rows, widths,
-    layouts (the gate and up fused, interleaved or apart) and constants (gpt-oss's clamped gate among them): the
-    output and its gradients, fp32 within 1e-5."""
+    layouts (the gate and up fused, interleaved or apart), activations (SiLU, GELU's tanh form) and constants
+    (gpt-oss's clamped gate among them): the output and its gradients, fp32 within 1e-5."""
     from fastft.reference import swiglu as reference
 
     rows, width = randint(g, 0, max_tokens), randint(g, 1, 48)
@@ -425,7 +425,10 @@ def check_swiglu(g: torch.Generator, device, max_tokens: int) -> None:
         alpha=(1.0, 1.702)[randint(g, 0, 1)],
         limit=(None, 7.0, 0.5)[randint(g, 0, 2)],
         up_shift=float(randint(g, 0, 1)),
+        activation=("silu", "gelu_tanh")[randint(g, 0, 1)],
     )
+    if kw["activation"] == "gelu_tanh":
+        kw["alpha"] = 1.0
     if layout == "apart":
         inputs = [(torch.randn(rows, width, generator=g) * 4).to(device).requires_grad_() for _ in range(2)]
     else:

@@ -3,6 +3,7 @@
     out = fastft.swiglu(gate_up)                                              # silu(gate) * up, [gate | up]
     out = fastft.swiglu(gate_up, interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)      # gpt-oss
     out = fastft.swiglu(mlp.gate_proj(x), mlp.up_proj(x))                     # a dense MLP: silu(gate) * up
+    out = fastft.swiglu(gate, up, activation="gelu_tanh")                     # GeGLU (Gemma): gelu(gate) * up
 
 The activation between a MoE expert's gate-up and down projections, a fused gate-up MLP's, or a dense MLP's
 (``down_proj(act(gate_proj(x)) * up_proj(x))``):
@@ -10,6 +11,7 @@ The activation between a MoE expert's gate-up and down projections, a fused gate
     gate, up = halves of gate_up's last dim, side by side or interleaved (or two tensors)
     gate, up = min(gate, limit), clamp(up, -limit, limit)       (with a limit)
     out = (up + up_shift) * gate * sigmoid(alpha * gate)
+        or with activation="gelu_tanh": (up + up_shift) * gelu(gate, approximate="tanh")
 
 computed in fp32, the output in the inputs' dtype; ``fastft/reference/swiglu.py`` is the specification.
 transformers spells it as several kernels each way (gpt-oss's: seven forward, more backward; a dense MLP's
@@ -67,8 +69,8 @@ def _split(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tens
     return x[:, :width], x[:, width:]
 
 
-def _reference(x, interleaved, alpha, limit, up_shift):
-    return reference.swiglu(x, interleaved=interleaved, alpha=alpha, limit=limit, up_shift=up_shift)
+def _activation(gelu: bool) -> str:
+    return "gelu_tanh" if gelu else "silu"
 
 
 @custom_op("fastft::swiglu")
@@ -78,20 +80,23 @@ def swiglu_op(
     alpha: float,
     limit: Optional[float],  # noqa: UP045  (torch.library.custom_op reads it: Optional spelled out)
     up_shift: float,
+    gelu: bool,
     backend: str,
 ) -> torch.Tensor:
     """``[R, W]`` in ``x.dtype`` from ``x`` ``[R, 2W]`` with unit column stride."""
     if backend == "torch" or x.numel() == 0:
-        return _reference(x, interleaved, alpha, limit, up_shift)
+        return reference.swiglu(
+            x, interleaved=interleaved, alpha=alpha, limit=limit, up_shift=up_shift, activation=_activation(gelu)
+        )
     from .kernels import swiglu as kernels
 
     width = x.shape[1] // 2
     params = _params(OP_SWIGLU, x, width)
-    return kernels.swiglu_forward(*_split(x, interleaved), interleaved, alpha, limit, up_shift, **params)
+    return kernels.swiglu_forward(*_split(x, interleaved), interleaved, alpha, limit, up_shift, gelu, **params)
 
 
 @swiglu_op.register_fake
-def _(x, interleaved, alpha, limit, up_shift, backend):
+def _(x, interleaved, alpha, limit, up_shift, gelu, backend):
     return x.new_empty((x.shape[0], x.shape[1] // 2))
 
 
@@ -103,35 +108,36 @@ def swiglu_backward_op(
     alpha: float,
     limit: Optional[float],  # noqa: UP045
     up_shift: float,
+    gelu: bool,
     backend: str,
 ) -> torch.Tensor:
     """``x``'s gradient ``[R, 2W]`` in ``x.dtype`` from the output's, ``dy`` ``[R, W]`` contiguous."""
     if backend == "torch" or x.numel() == 0:
-        return reference.swiglu_backward(dy, x, interleaved, alpha, limit, up_shift)
+        return reference.swiglu_backward(dy, x, interleaved, alpha, limit, up_shift, _activation(gelu))
     from .kernels import swiglu as kernels
 
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     params = _params(OP_SWIGLU_BACKWARD, x, dy.shape[1])
     gate, up = _split(x, interleaved)
     dgate, dup = _split(dx, interleaved)
-    kernels.swiglu_backward(dy, gate, up, dgate, dup, interleaved, alpha, limit, up_shift, **params)
+    kernels.swiglu_backward(dy, gate, up, dgate, dup, interleaved, alpha, limit, up_shift, gelu, **params)
     return dx
 
 
 @swiglu_backward_op.register_fake
-def _(dy, x, interleaved, alpha, limit, up_shift, backend):
+def _(dy, x, interleaved, alpha, limit, up_shift, gelu, backend):
     return x.new_empty(x.shape)
 
 
 def _setup(ctx, inputs, output):
-    x, interleaved, alpha, limit, up_shift, backend = inputs
-    ctx.args = (interleaved, alpha, limit, up_shift, backend)
+    x, interleaved, alpha, limit, up_shift, gelu, backend = inputs
+    ctx.args = (interleaved, alpha, limit, up_shift, gelu, backend)
     ctx.save_for_backward(x)
 
 
 def _backward(ctx, grad):
     (x,) = ctx.saved_tensors
-    return swiglu_backward_op.op(grad.contiguous(), x, *ctx.args), None, None, None, None, None
+    return swiglu_backward_op.op(grad.contiguous(), x, *ctx.args), None, None, None, None, None, None
 
 
 swiglu_op.register_autograd(_backward, setup_context=_setup)
@@ -144,18 +150,20 @@ def swiglu_pair_op(
     alpha: float,
     limit: Optional[float],  # noqa: UP045
     up_shift: float,
+    gelu: bool,
     backend: str,
 ) -> torch.Tensor:
     """``[R, W]`` in ``gate.dtype`` from ``gate`` and ``up`` ``[R, W]`` of one dtype, unit column strides."""
     if backend == "torch" or gate.numel() == 0:
-        return reference.swiglu(gate, up, alpha=alpha, limit=limit, up_shift=up_shift)
+        return reference.swiglu(gate, up, alpha=alpha, limit=limit, up_shift=up_shift, activation=_activation(gelu))
     from .kernels import swiglu as kernels
 
-    return kernels.swiglu_forward(gate, up, False, alpha, limit, up_shift, **_params(OP_SWIGLU, gate, gate.shape[1]))
+    params = _params(OP_SWIGLU, gate, gate.shape[1])
+    return kernels.swiglu_forward(gate, up, False, alpha, limit, up_shift, gelu, **params)
 
 
 @swiglu_pair_op.register_fake
-def _(gate, up, alpha, limit, up_shift, backend):
+def _(gate, up, alpha, limit, up_shift, gelu, backend):
     return gate.new_empty(gate.shape)
 
 
@@ -167,34 +175,35 @@ def swiglu_pair_backward_op(
     alpha: float,
     limit: Optional[float],  # noqa: UP045
     up_shift: float,
+    gelu: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate``'s and ``up``'s gradients (contiguous, their dtype) from the output's, ``dy`` contiguous."""
     if backend == "torch" or gate.numel() == 0:
-        return reference.swiglu_pair_backward(dy, gate, up, alpha, limit, up_shift)
+        return reference.swiglu_pair_backward(dy, gate, up, alpha, limit, up_shift, _activation(gelu))
     from .kernels import swiglu as kernels
 
     dgate, dup = torch.empty_like(dy), torch.empty_like(dy)
     params = _params(OP_SWIGLU_BACKWARD, gate, gate.shape[1])
-    kernels.swiglu_backward(dy, gate, up, dgate, dup, False, alpha, limit, up_shift, **params)
+    kernels.swiglu_backward(dy, gate, up, dgate, dup, False, alpha, limit, up_shift, gelu, **params)
     return dgate, dup
 
 
 @swiglu_pair_backward_op.register_fake
-def _(dy, gate, up, alpha, limit, up_shift, backend):
+def _(dy, gate, up, alpha, limit, up_shift, gelu, backend):
     return torch.empty_like(dy), torch.empty_like(dy)
 
 
 def _pair_setup(ctx, inputs, output):
-    gate, up, alpha, limit, up_shift, backend = inputs
-    ctx.args = (alpha, limit, up_shift, backend)
+    gate, up, alpha, limit, up_shift, gelu, backend = inputs
+    ctx.args = (alpha, limit, up_shift, gelu, backend)
     ctx.save_for_backward(gate, up)
 
 
 def _pair_backward(ctx, grad):
     gate, up = ctx.saved_tensors
     dgate, dup = swiglu_pair_backward_op.op(grad.contiguous(), gate, up, *ctx.args)
-    return dgate, dup, None, None, None, None
+    return dgate, dup, None, None, None, None, None
 
 
 swiglu_pair_op.register_autograd(_pair_backward, setup_context=_pair_setup)
@@ -211,9 +220,11 @@ def swiglu(
     alpha: float = 1.0,
     limit: float | None = None,
     up_shift: float = 0.0,
+    activation: str = "silu",
     backend: str | None = None,
 ) -> torch.Tensor:
-    """``(up + up_shift) * gate * sigmoid(alpha * gate)`` of the gate and up halves of ``gate_up``'s last dim
+    """``(up + up_shift) * gate * sigmoid(alpha * gate)`` (or with ``activation="gelu_tanh"``, GeGLU: ``(up +
+    up_shift) * gelu(gate, approximate="tanh")``, ``alpha`` 1) of the gate and up halves of ``gate_up``'s last dim
     (``[gate | up]``, or ``gate0, up0, gate1, ...`` if ``interleaved``), or of the gate ``gate_up`` and ``up``
     given apart; the gate clamped to ``<= limit`` and the up half to ``[-limit, limit]`` if ``limit`` is given
     (see the module docstring).
@@ -224,11 +235,12 @@ def swiglu(
     beyond its bound, as ``torch.clamp``). ``backend``: ``auto``, ``triton`` or ``torch`` (default
     ``FASTFT_BACKEND``). No GPU sync.
 
-    Raises ``TypeError`` for a non-tensor or non-floating ``gate_up`` or ``up``, a non-bool ``interleaved``, or
-    ``alpha``/``limit``/``up_shift`` that are not numbers; ``ValueError`` for a 0-d ``gate_up`` or (without
-    ``up``) an odd last dim, an ``up`` of another shape, dtype or device than the gate's, or with
-    ``interleaved``, a non-finite ``alpha`` or ``up_shift``, a ``limit`` that is not in ``(0, float32's max]``,
-    an unknown backend.
+    Raises ``TypeError`` for a non-tensor or non-floating ``gate_up`` or ``up``, a non-bool ``interleaved``,
+    ``alpha``/``limit``/``up_shift`` that are not numbers or a non-string ``activation``; ``ValueError`` for a
+    0-d ``gate_up`` or (without ``up``) an odd last dim, an ``up`` of another shape, dtype or device than the
+    gate's, or with ``interleaved``, a non-finite ``alpha`` or ``up_shift``, a ``limit`` that is not in ``(0,
+    float32's max]``, an ``activation`` other than ``"silu"`` and ``"gelu_tanh"`` (or ``"gelu_tanh"`` with
+    ``alpha`` not 1), an unknown backend.
     """
     if not isinstance(gate_up, torch.Tensor):
         raise TypeError(f"gate_up must be a tensor, got {type(gate_up).__name__}")
@@ -251,6 +263,13 @@ def swiglu(
         raise ValueError(f"gate_up must be [..., 2W] (an even last dim), got shape {tuple(gate_up.shape)}")
     alpha = finite_arg("alpha", alpha)
     up_shift = finite_arg("up_shift", up_shift)
+    if not isinstance(activation, str):
+        raise TypeError(f"activation must be a string, got {type(activation).__name__}")
+    if activation not in reference.ACTIVATIONS:
+        raise ValueError(f"activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
+    gelu = activation == "gelu_tanh"
+    if gelu and alpha != 1:
+        raise ValueError(f"alpha must be 1 with activation='gelu_tanh' (it scales SiLU's gate), got {alpha}")
     if limit is not None:
         limit = finite_arg("limit", limit)
         if not 0 < limit <= torch.finfo(torch.float32).max:  # the clamp runs in fp32
@@ -261,11 +280,11 @@ def swiglu(
         if width == 0:
             return (gate_up * up)[..., :0].clone()
         gate, up_rows = (_unit(t.reshape(-1, width)) for t in (gate_up, up))
-        return swiglu_pair_op(gate, up_rows, alpha, limit, up_shift, chosen).view(gate_up.shape)
+        return swiglu_pair_op(gate, up_rows, alpha, limit, up_shift, gelu, chosen).view(gate_up.shape)
     two_w = gate_up.shape[-1]
     if two_w == 0:  # W = 0: an empty [..., 0], still connected to gate_up
         return gate_up[..., :0].clone()
-    out = swiglu_op(_unit(gate_up.reshape(-1, two_w)), interleaved, alpha, limit, up_shift, chosen)
+    out = swiglu_op(_unit(gate_up.reshape(-1, two_w)), interleaved, alpha, limit, up_shift, gelu, chosen)
     return out.view(*gate_up.shape[:-1], two_w // 2)
 
 

@@ -4,7 +4,9 @@ Rows x columns tiles of the output; each program reads its columns' gate and up 
 tensors: a fused gate-up projection's halves, or two projections' outputs), computes in fp32 and
 writes the output (forward) or both inputs' gradients (backward, the activation recomputed from the inputs:
 nothing else is saved). Side-by-side halves are two contiguous tiles; interleaved ones one contiguous tile
-of twice the width, split in registers (and the gradients interleaved back before one store). Launch wrappers
+of twice the width, split in registers (and the gradients interleaved back before one store). With ``GELU``
+the activation is GELU's tanh form, ``g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3))`` (``0.5 (1 + tanh z) =
+sigmoid(2 z)``), else ``g * sigmoid(alpha g)``. Launch wrappers
 take explicit launch parameters; choosing them is fastft.swiglu's job. Row offsets are int64.
 """
 
@@ -53,6 +55,19 @@ def _clamped(g, u, limit):
     return g, u
 
 
+@triton.jit
+def _activation(g, alpha, GELU: tl.constexpr):
+    """The activation's sigmoid factor ``s`` (``act = g s``) and its derivative ``act'``."""
+    if GELU:
+        k = 1.5957691216057308  # 2 sqrt(2 / pi)
+        s = tl.sigmoid(k * (g + 0.044715 * g * g * g))
+        d = s + g * s * (1 - s) * k * (1 + 3 * 0.044715 * g * g)
+    else:
+        s = tl.sigmoid(g * alpha)
+        d = s + alpha * g * s * (1 - s)
+    return s, d
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _swiglu_forward_kernel(
     g_ptr,
@@ -67,6 +82,7 @@ def _swiglu_forward_kernel(
     up_shift,
     INTERLEAVED: tl.constexpr,
     LIMIT: tl.constexpr,
+    GELU: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -75,7 +91,8 @@ def _swiglu_forward_kernel(
     g, u = _halves(g_ptr, u_ptr, r, stride_g, stride_u, rows, width, INTERLEAVED, BLOCK_R, BLOCK_C)
     if LIMIT:
         g, u = _clamped(g, u, limit)
-    y = (u + up_shift) * (g * tl.sigmoid(g * alpha))
+    s, _ = _activation(g, alpha, GELU)  # the derivative, unused, is compiled out
+    y = (u + up_shift) * (g * s)
     mask = (r < rows)[:, None] & (c < width)[None, :]
     tl.store(out_ptr + r[:, None] * width + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -98,6 +115,7 @@ def _swiglu_backward_kernel(
     up_shift,
     INTERLEAVED: tl.constexpr,
     LIMIT: tl.constexpr,
+    GELU: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -110,8 +128,8 @@ def _swiglu_backward_kernel(
     uc = u
     if LIMIT:
         gc, uc = _clamped(g, u, limit)
-    s = tl.sigmoid(gc * alpha)
-    dg = dy * (uc + up_shift) * (s + alpha * gc * s * (1 - s))
+    s, dact = _activation(gc, alpha, GELU)
+    dg = dy * (uc + up_shift) * dact
     du = dy * (gc * s)
     if LIMIT:  # torch.clamp's gradient: where the input lies within its bounds, ends included
         dg = tl.where(g <= limit, dg, 0.0)
@@ -126,7 +144,9 @@ def _swiglu_backward_kernel(
         tl.store(du_ptr + r[:, None] * stride_du + c[None, :], du.to(du_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(kernel, tensors, strides, rows, width, interleaved, alpha, limit, up_shift, BLOCK_R, BLOCK_C, num_warps):
+def _launch(
+    kernel, tensors, strides, rows, width, interleaved, alpha, limit, up_shift, gelu, BLOCK_R, BLOCK_C, num_warps
+):
     launch(
         kernel,
         (cdiv(rows, BLOCK_R), cdiv(width, BLOCK_C)),
@@ -139,6 +159,7 @@ def _launch(kernel, tensors, strides, rows, width, interleaved, alpha, limit, up
         float(up_shift),
         INTERLEAVED=interleaved,
         LIMIT=limit is not None,
+        GELU=gelu,
         BLOCK_R=BLOCK_R,
         BLOCK_C=BLOCK_C,
         num_warps=num_warps,
@@ -152,6 +173,7 @@ def swiglu_forward(
     alpha: float,
     limit: float | None,
     up_shift: float,
+    gelu: bool,
     *,
     BLOCK_R: int,
     BLOCK_C: int,
@@ -159,10 +181,10 @@ def swiglu_forward(
 ) -> torch.Tensor:
     """``[R, W]`` in ``gate.dtype`` from ``gate`` and ``up`` ``[R, W]`` (unit column strides; views of one
     ``[R, 2W]`` tensor's halves, or two tensors), or with ``interleaved`` from ``gate`` ``[R, 2W]`` alone
-    (``up`` is ignored)."""
+    (``up`` is ignored); ``gelu``: GELU's tanh form instead of ``g sigmoid(alpha g)``."""
     rows, width = gate.shape[0], gate.shape[1] // 2 if interleaved else gate.shape[1]
     out = gate.new_empty((rows, width))
-    args = (rows, width, interleaved, alpha, limit, up_shift, BLOCK_R, BLOCK_C, num_warps)
+    args = (rows, width, interleaved, alpha, limit, up_shift, gelu, BLOCK_R, BLOCK_C, num_warps)
     _launch(_swiglu_forward_kernel, (gate, up, out), (gate.stride(0), up.stride(0)), *args)
     return out
 
@@ -177,6 +199,7 @@ def swiglu_backward(
     alpha: float,
     limit: float | None,
     up_shift: float,
+    gelu: bool,
     *,
     BLOCK_R: int,
     BLOCK_C: int,
@@ -186,6 +209,6 @@ def swiglu_backward(
     given contiguous ``dy`` ``[R, W]``; with ``interleaved``, ``gate``'s (``[R, 2W]``, both halves) into
     ``dgate`` alone."""
     rows, width = dy.shape
-    args = (rows, width, interleaved, alpha, limit, up_shift, BLOCK_R, BLOCK_C, num_warps)
+    args = (rows, width, interleaved, alpha, limit, up_shift, gelu, BLOCK_R, BLOCK_C, num_warps)
     strides = (gate.stride(0), up.stride(0), dgate.stride(0), dup.stride(0))
     _launch(_swiglu_backward_kernel, (gate, up, dy, dgate, dup), strides, *args)

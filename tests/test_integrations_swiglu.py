@@ -1,8 +1,9 @@
 """fastft.integrations.transformers.mlps: a model's gated MLPs through fastft.swiglu in training forwards (tiny
-transformers models): each form fastft takes (Llama's gate and up projections, Phi-3's fused gate_up_proj) trains
-as the model's own, loss and every gradient; evaluation and generation untouched; another activation (Gemma's
-GELU), another form and another library's instance patch left on their own forward (apply says which); outputs
-the op does not take fall back to the stock product; revert."""
+transformers models): each form fastft takes (Llama's gate and up projections, Phi-3's fused gate_up_proj) and
+each activation (SiLU, Gemma's GELU tanh form) trains as the model's own, loss and every gradient; evaluation and
+generation untouched; another activation (GELU's exact form), another form and another library's instance patch
+left on their own forward (apply says which); outputs the op does not take fall back to the stock product;
+revert."""
 
 import pytest
 import torch
@@ -18,12 +19,20 @@ TINY = dict(
     vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
     num_key_value_heads=1,
 )  # fmt: skip
-FORMS = {"LlamaConfig": ("gate_proj", 2), "Phi3Config": ("gate_up_proj", 1)}  # -> the form's projection, inputs
+# -> the form's projection, the op's inputs, its activation
+FORMS = {
+    "LlamaConfig": ("gate_proj", 2, "silu"),
+    "Phi3Config": ("gate_up_proj", 1, "silu"),
+    "GemmaConfig": ("gate_proj", 2, "gelu_tanh"),
+}
+EXTRA = {"GemmaConfig": dict(head_dim=16)}
 
 
-def build(config_cls):
+def build(config_cls, **kw):
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = getattr(transformers, config_cls)(
+        **TINY, **EXTRA.get(config_cls, {}), **kw, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
     return transformers.AutoModelForCausalLM.from_config(config).train()
 
 
@@ -36,7 +45,7 @@ def step(model, ids):
 
 @pytest.mark.parametrize("config_cls", list(FORMS))
 def test_training_step_is_the_models_own(config_cls, monkeypatch):
-    projection, inputs = FORMS[config_cls]
+    projection, inputs, activation = FORMS[config_cls]
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     want = step(build(config_cls), ids)
     model = build(config_cls)
@@ -44,10 +53,10 @@ def test_training_step_is_the_models_own(config_cls, monkeypatch):
     assert len(mlps) == 2 and all(hasattr(m, projection) for m in mlps)
     calls = []
     op = ft_mlps.swiglu
-    monkeypatch.setattr(ft_mlps, "swiglu", lambda *a, **k: calls.append(len(a)) or op(*a, **k))
+    monkeypatch.setattr(ft_mlps, "swiglu", lambda *a, **k: calls.append((len(a), k["activation"])) or op(*a, **k))
     assert ft_hf.use_swiglu(model) == (2, [])
     got = step(model, ids)
-    assert calls == [inputs] * 2
+    assert calls == [(inputs, activation)] * 2
     torch.testing.assert_close(got[0], want[0], **FP32)
     assert got[1].keys() == want[1].keys()
     for name in want[1]:
@@ -108,8 +117,21 @@ def test_other_activations_forms_and_instance_patches_are_left_and_named():
     assert "forward" not in model.model.layers[0].mlp.__dict__
     ft_hf.revert(model)
     assert "forward" in patched.__dict__  # the other library's patch stays
-    torch.manual_seed(0)
-    gemma = transformers.AutoModelForCausalLM.from_config(transformers.GemmaConfig(**TINY, head_dim=16)).train()
-    with pytest.warns(RuntimeWarning, match="gated MLPs on their own forward .*: GemmaMLP"):  # GELU: GeGLU
-        ft_hf.apply(gemma, offload_checkpointing=False)
-    assert not any("forward" in m.__dict__ for m in gemma.modules() if ft_mlps.is_gated_mlp(m))
+    erf = build("LlamaConfig", hidden_act="gelu")  # GELU's exact form: not the op's
+    with pytest.warns(RuntimeWarning, match="gated MLPs on their own forward .*: LlamaMLP"):
+        ft_hf.apply(erf, offload_checkpointing=False)
+    assert not any("forward" in m.__dict__ for m in erf.modules() if ft_mlps.is_gated_mlp(m))
+
+
+def test_activation_names():
+    activations = transformers.activations
+    assert ft_mlps.activation(torch.nn.SiLU()) == ft_mlps.activation(activations.SiLUActivation()) == "silu"
+    for act in (
+        activations.GELUTanh(),
+        activations.NewGELUActivation(),
+        activations.FastGELUActivation(),
+        torch.nn.GELU(approximate="tanh"),
+    ):
+        assert ft_mlps.activation(act) == "gelu_tanh", act
+    for act in (torch.nn.GELU(), activations.GELUActivation(), activations.QuickGELUActivation(), torch.nn.ReLU()):
+        assert ft_mlps.activation(act) is None, act

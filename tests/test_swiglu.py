@@ -1,7 +1,7 @@
-"""fastft.swiglu: the reference against transformers' own experts gates and dense MLP, both backends (forward
-and gradient) against the reference on random shapes and constants (hypothesis), the gate and up fused or
-apart, clamp bounds, odd strides, bf16, argument checks, and on a GPU bf16 at the e2e MoE and dense MLP widths
-without a host sync. fp32 tolerance: 1e-5."""
+"""fastft.swiglu: the reference against transformers' own experts gates, dense MLP and Gemma's GeGLU, both
+backends (forward and gradient) against the reference on random shapes, activations and constants (hypothesis),
+the gate and up fused or apart, clamp bounds, odd strides, bf16, argument checks, and on a GPU bf16 at the e2e
+MoE and dense MLP widths without a host sync. fp32 tolerance: 1e-5."""
 
 import types
 
@@ -46,6 +46,23 @@ def test_reference_is_transformers_gates(rng):
     assert not torch.allclose(reference.swiglu(x, interleaved=True), reference.swiglu(x), **FP32)
 
 
+def test_reference_gelu_tanh_is_gemmas_mlp(rng):
+    """``activation="gelu_tanh"`` is Gemma's ``act_fn(gate_proj(x)) * up_proj(x)`` with transformers' GELUTanh
+    (both its forms), and the backward written out is autograd's through the reference."""
+    activations = pytest.importorskip("transformers.activations")
+    gate, up = (torch.randn(9, 13, generator=rng) * 4 for _ in range(2))
+    for act in (activations.GELUTanh(), activations.GELUTanh(use_gelu_tanh_python=True)):
+        torch.testing.assert_close(reference.swiglu(gate, up, activation="gelu_tanh"), act(gate) * up, **FP32)
+    assert not torch.allclose(reference.swiglu(gate, up, activation="gelu_tanh"), reference.swiglu(gate, up))
+    dy = torch.randn(9, 13, generator=rng)
+    for kw in (dict(limit=None, up_shift=0.0), dict(limit=2.0, up_shift=1.0)):
+        leaves = [t.clone().requires_grad_() for t in (gate, up)]
+        want = torch.autograd.grad(reference.swiglu(*leaves, **kw, activation="gelu_tanh"), leaves, dy)
+        got = reference.swiglu_pair_backward(dy, gate, up, 1.0, *kw.values(), "gelu_tanh")
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **FP32)
+
+
 def _check_pair(gate, up, backend, rng, tol=FP32, **kw):
     """fastft.swiglu(gate, up) on ``backend`` against the reference in fp32: output and both gradients."""
     out = fastft.swiglu(gate, up, backend=backend, **kw)
@@ -85,12 +102,14 @@ def test_reference_pair_is_transformers_dense_mlp(rng):
     alpha=st.sampled_from([1.0, 1.702]),
     limit=st.sampled_from([None, 0.75]),
     up_shift=st.sampled_from([0.0, 1.0]),
+    activation=st.sampled_from(["silu", "gelu_tanh"]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_pair_matches_reference(backend, device, rows, width, alpha, limit, up_shift, seed):
+def test_pair_matches_reference(backend, device, rows, width, alpha, limit, up_shift, activation, seed):
     rng = torch.Generator().manual_seed(seed)
     gate, up = ((torch.randn(rows, width, generator=rng) * 3).to(device).requires_grad_() for _ in range(2))
-    _check_pair(gate, up, backend, rng, alpha=alpha, limit=limit, up_shift=up_shift)
+    alpha = 1.0 if activation == "gelu_tanh" else alpha
+    _check_pair(gate, up, backend, rng, alpha=alpha, limit=limit, up_shift=up_shift, activation=activation)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -117,12 +136,14 @@ def test_reference_is_gpt_oss_apply_gate(rng):
     alpha=st.sampled_from([1.0, 1.702, 0.5]),
     limit=st.sampled_from([None, 7.0, 0.75]),
     up_shift=st.sampled_from([0.0, 1.0, -0.5]),
+    activation=st.sampled_from(["silu", "gelu_tanh"]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_matches_reference(backend, device, rows, width, interleaved, alpha, limit, up_shift, seed):
+def test_matches_reference(backend, device, rows, width, interleaved, alpha, limit, up_shift, activation, seed):
     rng = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, 2 * width, generator=rng) * 3).to(device).requires_grad_()
-    _check(x, backend, rng, interleaved=interleaved, alpha=alpha, limit=limit, up_shift=up_shift)
+    alpha = 1.0 if activation == "gelu_tanh" else alpha
+    _check(x, backend, rng, interleaved=interleaved, alpha=alpha, limit=limit, up_shift=up_shift, activation=activation)
 
 
 def test_kernel_tiles(device, rng):
@@ -131,24 +152,25 @@ def test_kernel_tiles(device, rng):
     kernels = pytest.importorskip("fastft.kernels.swiglu")
     x = torch.randn(13, 2 * 21, generator=rng).to(device) * 3
     dy = torch.randn(13, 21, generator=rng).to(device)
-    kw = dict(alpha=1.702, limit=2.0, up_shift=1.0)
-    for block_r, block_c in ((2, 8), (4, 16), (1, 32)):
+    for block_r, block_c, gelu in ((2, 8, False), (4, 16, True), (1, 32, False), (1, 32, True)):
         tiles = dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=1)
+        kw = dict(alpha=1.0 if gelu else 1.702, limit=2.0, up_shift=1.0)
+        act = "gelu_tanh" if gelu else "silu"
         for interleaved in (False, True):
             gate, up = (x, x) if interleaved else (x[:, :21], x[:, 21:])
-            out = kernels.swiglu_forward(gate, up, interleaved, *kw.values(), **tiles)
-            torch.testing.assert_close(out, reference.swiglu(x, interleaved=interleaved, **kw), **FP32)
+            out = kernels.swiglu_forward(gate, up, interleaved, *kw.values(), gelu, **tiles)
+            torch.testing.assert_close(out, reference.swiglu(x, interleaved=interleaved, **kw, activation=act), **FP32)
             dx = torch.empty_like(x)
             dgate, dup = (dx, dx) if interleaved else (dx[:, :21], dx[:, 21:])
-            kernels.swiglu_backward(dy, gate, up, dgate, dup, interleaved, *kw.values(), **tiles)
-            want = reference.swiglu_backward(dy, x, interleaved, *kw.values())
+            kernels.swiglu_backward(dy, gate, up, dgate, dup, interleaved, *kw.values(), gelu, **tiles)
+            want = reference.swiglu_backward(dy, x, interleaved, *kw.values(), act)
             torch.testing.assert_close(dx, want, **FP32)
         gate, up = x[:, :21].contiguous(), x[:, 21:].contiguous()  # apart
-        out = kernels.swiglu_forward(gate, up, False, *kw.values(), **tiles)
-        torch.testing.assert_close(out, reference.swiglu(gate, up, **kw), **FP32)
+        out = kernels.swiglu_forward(gate, up, False, *kw.values(), gelu, **tiles)
+        torch.testing.assert_close(out, reference.swiglu(gate, up, **kw, activation=act), **FP32)
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        kernels.swiglu_backward(dy, gate, up, dgate, dup, False, *kw.values(), **tiles)
-        for a, b in zip((dgate, dup), reference.swiglu_pair_backward(dy, gate, up, *kw.values())):
+        kernels.swiglu_backward(dy, gate, up, dgate, dup, False, *kw.values(), gelu, **tiles)
+        for a, b in zip((dgate, dup), reference.swiglu_pair_backward(dy, gate, up, *kw.values(), act)):
             torch.testing.assert_close(a, b, **FP32)
 
 
@@ -200,7 +222,8 @@ def test_half_precision_within_rounding(device, rng, dtype):
     for kw in ({}, GPT_OSS):
         _check(x, "triton", rng, tol=dict(atol=2e-2, rtol=1.6e-2), **kw)  # output and gradient rounded once
     gate, up = x.detach()[:, :24].requires_grad_(), x.detach()[:, 24:].requires_grad_()
-    _check_pair(gate, up, "triton", rng, tol=dict(atol=2e-2, rtol=1.6e-2))
+    for activation in ("silu", "gelu_tanh"):
+        _check_pair(gate, up, "triton", rng, tol=dict(atol=2e-2, rtol=1.6e-2), activation=activation)
 
 
 def test_torch_compile_traces_the_op_and_its_backward(device, rng):
@@ -245,6 +268,12 @@ def test_checks_arguments(device):
             fastft.swiglu(x, bad)
     with pytest.raises(ValueError, match="interleaved must be False when up is given"):
         fastft.swiglu(x, x, interleaved=True)
+    with pytest.raises(TypeError, match="activation must be a string"):
+        fastft.swiglu(x, activation=None)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        fastft.swiglu(x, activation="gelu")  # the erf form is not this op's
+    with pytest.raises(ValueError, match="alpha must be 1 with activation='gelu_tanh'"):
+        fastft.swiglu(x, alpha=1.702, activation="gelu_tanh")
     fastft.swiglu(torch.randn(4, 5, device=device), torch.randn(4, 5, device=device))  # odd widths apart: fine
 
 

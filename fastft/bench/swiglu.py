@@ -1,8 +1,9 @@
 """Benchmark for fastft.swiglu: the gate between a MoE expert's gate-up and down projections, on the routed rows
 of a 16k-token step of the e2e MoE models, and a dense MLP's ``act_fn(gate_proj(x)) * up_proj(x)`` (gate and up
-apart) at Qwen3-8B's widths, forward and forward + backward, against transformers' gates in torch ops (the
-default ``silu(gate) * up`` over the halves; gpt-oss's clamped, interleaved gate; LlamaMLP's product). Time,
-traffic against the HBM floor (a device copy's bandwidth), and peak memory."""
+apart) at Qwen3-8B's widths with SiLU and Gemma-3-12B's with GELU's tanh form (GeGLU), forward and forward +
+backward, against transformers' gates in torch ops (the default ``silu(gate) * up`` over the halves; gpt-oss's
+clamped, interleaved gate; LlamaMLP's and GemmaMLP's products). Time, traffic against the HBM floor (a device
+copy's bandwidth), and peak memory."""
 
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ SHAPES = {
     "Qwen3-30B-A3B": (16384 * 8, 768, {}),
     "gpt-oss-20b": (16384 * 4, 2880, GPT_OSS),
     "Qwen3.5-MoE": (16384 * 8, 512, {}),
-    "Qwen3-8B MLP": (16384, 12288, None),  # None: gate and up apart, a dense MLP's
+    "Qwen3-8B MLP": (16384, 12288, None),  # None: gate and up apart, a dense MLP's (SiLU)
+    "Gemma-3-12B MLP": (16384, 15360, "gelu_tanh"),  # a string: gate and up apart, that activation
 }
+_ACTS = {None: ("silu", F.silu), "gelu_tanh": ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))}
 
 
 def transformers_gate(x: torch.Tensor, interleaved=False, alpha=1.0, limit=None, up_shift=0.0) -> torch.Tensor:
@@ -51,15 +54,17 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         g = torch.Generator().manual_seed(0)
         x = (torch.randn(count, 2 * width, generator=g) * 3).to(device, dtype).requires_grad_()
         grad = torch.randn(count, width, generator=g).to(device, dtype)
-        if kw is None:  # two tensors, as two projections' outputs
+        apart = kw is None or isinstance(kw, str)
+        if apart:  # two tensors, as two projections' outputs
+            activation, act = _ACTS[kw]
             gate, up = (x.detach()[:, :width].contiguous().requires_grad_(), x.detach()[:, width:].contiguous())
             up.requires_grad_()
             x = (gate, up)
             forwards = {
-                "ours": lambda: fastft.swiglu(gate, up),
-                BASELINE: lambda: F.silu(gate) * up,
+                "ours": lambda: fastft.swiglu(gate, up, activation=activation),
+                BASELINE: lambda: act(gate) * up,
             }
-            want = F.silu(gate.float()) * up.float()
+            want = act(gate.float()) * up.float()
         else:
             forwards = {
                 "ours": lambda: fastft.swiglu(x, **kw),
@@ -76,8 +81,8 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         for mode, ms, peak, note in fwd_and_bwd(forwards, x, grad, device, nbytes=nbytes, copy_bw=copy_bw, rep_ms=rep):
             if note:
                 note += f"; peak {peak['ours']:.2f} GiB vs {peak[BASELINE]:.2f} GiB"
-            if kw is None:
-                case = f"{name}: {count} rows x W={width} (gate and up apart), {dtype}, {mode}"
+            if apart:
+                case = f"{name}: {count} rows x W={width} (gate and up apart, {activation}), {dtype}, {mode}"
             else:
                 layout = "interleaved, clamped" if kw.get("interleaved") else "halves"
                 case = f"{name} experts' gate: {count} rows x W={width} ({layout}), {dtype}, {mode}"

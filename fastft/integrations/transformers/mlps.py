@@ -3,14 +3,14 @@
 transformers spells a SwiGLU MLP ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Llama, Qwen3, Mistral, the
 Mamba-2 hybrids, MoE models' shared experts and most others), or with one fused ``gate_up_proj`` split in two
 (GLM, Phi-3, Granite's ``input_linear``). fastft reads each MLP class's forward and takes these forms where the
-activation is SiLU: in a training forward (train mode, not a forward the model runs on its own code:
-``generate``, evaluation) the projections run as before, in the same order, and ``silu(gate) * up`` is one
-``fastft.swiglu`` kernel each way instead of two forward and three backward, with one ``[tokens, I]`` tensor
-saved fewer. ``fastft.swiglu`` rounds once where the stock product rounds twice. Any other forward, or
-projections whose outputs the op does not take (their dtypes differ, another dtype, a ``DTensor``): the stock
-product. Gated MLPs of other forms or activations (GELU's GeGLU, Falcon-H1's multipliers, clamped gates) keep
-their forward, and ``apply`` names their classes. The forward set is a bound method on each instance;
-``revert`` removes it.
+activation is SiLU, or GELU's tanh form (GeGLU: Gemma's ``gelu_pytorch_tanh``): in a training forward (train
+mode, not a forward the model runs on its own code: ``generate``, evaluation) the projections run as before, in
+the same order, and ``act(gate) * up`` is one ``fastft.swiglu`` kernel each way instead of two forward and three
+backward, with one ``[tokens, I]`` tensor saved fewer. ``fastft.swiglu`` rounds once where the stock product
+rounds twice. Any other forward, or projections whose outputs the op does not take (their dtypes differ, another
+dtype, a ``DTensor``): the stock product. Gated MLPs of other forms or activations (GELU's exact form,
+Falcon-H1's multipliers, clamped gates) keep their forward, and ``apply`` names their classes. The forward
+set is a bound method on each instance; ``revert`` removes it.
 """
 
 from __future__ import annotations
@@ -56,20 +56,35 @@ _FORMS = {
     ),
 }
 _SILU = {("torch.nn.modules.activation", "SiLU"), ("transformers.activations", "SiLUActivation")}
+# 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), each spelling (PytorchGELUTanh is GELUTanh)
+_GELU_TANH = {
+    ("transformers.activations", "GELUTanh"),
+    ("transformers.activations", "PytorchGELUTanh"),
+    ("transformers.activations", "NewGELUActivation"),
+    ("transformers.activations", "FastGELUActivation"),
+}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @functools.cache
 def mlp_form(cls) -> Form | None:
     """Where the pieces are of a gated MLP class whose forward is one of the forms fastft takes, or None (the
-    activation is checked per instance: ``is_silu``)."""
+    activation is checked per instance: ``activation``)."""
     forward = body(cls.forward)
     return None if forward is None else _FORMS.get(forward)
 
 
-def is_silu(act) -> bool:
-    """Whether ``act`` is torch's or transformers' SiLU module."""
-    return (type(act).__module__, type(act).__name__) in _SILU
+def activation(act) -> str | None:
+    """``fastft.swiglu``'s name for the activation module ``act`` (torch's or transformers' SiLU: ``"silu"``;
+    GELU's tanh form: ``"gelu_tanh"``), or None for any other."""
+    key = (type(act).__module__, type(act).__name__)
+    if key in _SILU:
+        return "silu"
+    if key in _GELU_TANH or (
+        isinstance(act, torch.nn.GELU) and type(act) is torch.nn.GELU and act.approximate == "tanh"
+    ):
+        return "gelu_tanh"
+    return None
 
 
 def is_gated_mlp(module) -> bool:
@@ -99,24 +114,26 @@ def _mlp_forward(self, *args, **kwargs):
     (x,) = args
     form = mlp_form(type(self))
     act = getattr(self, form.act)
+    name = activation(act)
     if form.gate_up:
         gate_up = getattr(self, form.gate_up)(x)
-        if _takes(gate_up) and gate_up.shape[-1] % 2 == 0:
-            hidden = swiglu(gate_up)
+        if name and _takes(gate_up) and gate_up.shape[-1] % 2 == 0:
+            hidden = swiglu(gate_up, activation=name)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = act(gate) * up
     else:
         gate = getattr(self, form.gate)(x)
         up = getattr(self, form.up)(x)
-        hidden = swiglu(gate, up) if _takes(gate, up) and gate.shape == up.shape else act(gate) * up
+        taken = name and _takes(gate, up) and gate.shape == up.shape
+        hidden = swiglu(gate, up, activation=name) if taken else act(gate) * up
     return getattr(self, form.down)(hidden)
 
 
 def use_swiglu(model) -> tuple[int, list[str]]:
-    """Run ``model``'s gated MLPs of a form fastft takes with SiLU through ``fastft.swiglu`` in training
-    forwards (see the module docstring). Returns how many, and the names of the gated MLP classes left on
-    their own forward. Once per model; ``revert`` undoes it."""
+    """Run ``model``'s gated MLPs of a form fastft takes with SiLU or GELU's tanh form through ``fastft.swiglu``
+    in training forwards (see the module docstring). Returns how many, and the names of the gated MLP classes
+    left on their own forward. Once per model; ``revert`` undoes it."""
     inner = transformers_model(model)
     state = model_state(inner)
     if "swiglu" in state.records:
@@ -126,7 +143,7 @@ def use_swiglu(model) -> tuple[int, list[str]]:
         if not is_gated_mlp(module):
             continue
         form = mlp_form(type(module))
-        if "forward" in module.__dict__ or form is None or not is_silu(getattr(module, form.act, None)):
+        if "forward" in module.__dict__ or form is None or activation(getattr(module, form.act, None)) is None:
             left.add(type(module).__name__)
             continue
         patch_forward(module, _mlp_forward)
