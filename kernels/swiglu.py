@@ -6,8 +6,8 @@ writes the output (forward) or both inputs' gradients (backward, the activation 
 nothing else is saved). Side-by-side halves are two contiguous tiles; interleaved ones one contiguous tile
 of twice the width, split in registers (and the gradients interleaved back before one store). With ``GELU``
 the activation is GELU's tanh form, ``g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3))`` (``0.5 (1 + tanh z) =
-sigmoid(2 z)``), else ``g * sigmoid(alpha g)``. Launch wrappers
-take explicit launch parameters; choosing them is fastft.swiglu's job. Row offsets are int64.
+sigmoid(2 z)``), else ``g * sigmoid(alpha g)``. Launch wrappers take explicit launch parameters; choosing them
+is fastft.swiglu's job. Row offsets are int64.
 """
 
 from __future__ import annotations

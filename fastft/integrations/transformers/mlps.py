@@ -80,9 +80,7 @@ def activation(act) -> str | None:
     key = (type(act).__module__, type(act).__name__)
     if key in _SILU:
         return "silu"
-    if key in _GELU_TANH or (
-        isinstance(act, torch.nn.GELU) and type(act) is torch.nn.GELU and act.approximate == "tanh"
-    ):
+    if key in _GELU_TANH or (type(act) is torch.nn.GELU and act.approximate == "tanh"):
         return "gelu_tanh"
     return None
 
