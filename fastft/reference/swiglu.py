@@ -9,8 +9,10 @@ and the up half to ``[-limit, limit]`` (gpt-oss, and its kin); then
     out = (up + up_shift) * gate * sigmoid(alpha * gate)
 
 in fp32, the output in ``gate_up``'s dtype; with ``activation="gelu_tanh"`` (GeGLU: Gemma's MLPs) ``gate *
-sigmoid(alpha * gate)`` is ``gelu(gate, approximate="tanh")`` instead (``alpha`` 1). ``alpha=1, limit=None,
-up_shift=0`` is ``silu(gate) * up``;
+sigmoid(alpha * gate)`` is ``gelu(gate, approximate="tanh")`` instead (``alpha`` 1), written ``gate *
+sigmoid(2 z)`` for its ``0.5 * gate * (1 + tanh(z))``, ``z = sqrt(2/pi) (gate + 0.044715 gate^3)``: the same
+function, whose fp32 value and gradient do not vanish where ``tanh(z)`` rounds to -1 (``gate`` below about -5).
+``alpha=1, limit=None, up_shift=0`` is ``silu(gate) * up``;
 gpt-oss is ``interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0``. Differentiable (autograd through
 these torch ops: a clamped entry passes no gradient beyond its bound, as ``torch.clamp``).
 ``swiglu_backward`` and ``swiglu_pair_backward`` are the torch backend's gradients: that derivative written out
@@ -29,7 +31,7 @@ _K = 2 * math.sqrt(2 / math.pi)  # gelu_tanh(g) = g * sigmoid(_K * (g + 0.044715
 
 def _act(gate: torch.Tensor, alpha: float, activation: str) -> torch.Tensor:
     if activation == "gelu_tanh":
-        return torch.nn.functional.gelu(gate, approximate="tanh")
+        return gate * torch.sigmoid(_K * (gate + 0.044715 * gate**3))
     return gate * torch.sigmoid(gate * alpha)
 
 
