@@ -64,6 +64,10 @@ def test_gate_activation_is_fastft_swiglu_where_it_is_the_gate(name, rng):
     if name == "qwen3_moe":
         block.act_fn = torch.nn.GELU()
         assert gate_activation(block) == block._apply_gate
+        block.act_fn = transformers.activations.GELUTanh()  # Gemma 4's experts: GeGLU
+        act = gate_activation(block)
+        assert act.func is fastft.swiglu and act.keywords == {"activation": "gelu_tanh"}
+        torch.testing.assert_close(act(x), block._apply_gate(x), atol=1e-5, rtol=1e-5)
         block.act_fn = torch.nn.SiLU()
         assert gate_activation(block) is fastft.swiglu
     block._apply_gate = lambda h: h[..., : h.shape[-1] // 2]

@@ -19,6 +19,7 @@ from ...swiglu import swiglu
 from .. import liger
 from ..models import has_experts, model_state, transformers_model
 from . import lifecycle
+from .mlps import activation as activation_name
 
 EXPERTS_IMPLEMENTATION = "fastft"
 EXPERT_SHARD = "fastft_expert_shard"  # in an experts block's __dict__ under use_expert_parallel
@@ -43,24 +44,23 @@ def lora_weights(block) -> tuple[str, str]:
     return ("gate_up_proj" if block.has_gate else "up_proj"), "down_proj"
 
 
-def _silu(act) -> bool:
-    """Whether ``act`` is SiLU itself: ``nn.SiLU`` or transformers' ``SiLUActivation`` (not a subclass)."""
-    activations = sys.modules.get("transformers.activations")
-    return type(act) is torch.nn.SiLU or (activations is not None and type(act) is activations.SiLUActivation)
-
-
 def gate_activation(block):
     """The function between an experts block's up (gate-up) and down projections: ``fastft.swiglu`` where the
-    block's gate is one it computes (transformers' default gate over SiLU; gpt-oss's clamped, interleaved
-    gate with its alpha and limit), else the block's own ``_apply_gate`` (``act_fn`` without a gate)."""
+    block's gate is one it computes (transformers' default gate over SiLU, or over GELU's tanh form: Gemma 4's
+    experts; gpt-oss's clamped, interleaved gate with its alpha and limit), else the block's own ``_apply_gate``
+    (``act_fn`` without a gate)."""
     if not block.has_gate:
         return block.act_fn
     if "_apply_gate" in block.__dict__:  # set on this block alone: its own
         return block._apply_gate
     gate = type(block)._apply_gate
     moe = sys.modules.get("transformers.integrations.moe")
-    if gate is getattr(moe, "_default_apply_gate", None) and _silu(getattr(block, "act_fn", None)):
-        return swiglu
+    if gate is getattr(moe, "_default_apply_gate", None):
+        name = activation_name(getattr(block, "act_fn", None))
+        if name == "silu":
+            return swiglu
+        if name == "gelu_tanh":
+            return functools.partial(swiglu, activation=name)
     gpt_oss = sys.modules.get("transformers.models.gpt_oss.modeling_gpt_oss")
     experts = getattr(gpt_oss, "GptOssExperts", None)
     if experts is not None and gate is experts.__dict__.get("_apply_gate"):
