@@ -56,10 +56,9 @@ _FORMS = {
     ),
 }
 _SILU = {("torch.nn.modules.activation", "SiLU"), ("transformers.activations", "SiLUActivation")}
-# 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), each spelling (PytorchGELUTanh is GELUTanh)
+# 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), each spelling (PytorchGELUTanh is an alias of GELUTanh)
 _GELU_TANH = {
     ("transformers.activations", "GELUTanh"),
-    ("transformers.activations", "PytorchGELUTanh"),
     ("transformers.activations", "NewGELUActivation"),
     ("transformers.activations", "FastGELUActivation"),
 }
