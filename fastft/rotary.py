@@ -6,7 +6,9 @@ transformers spells it ``q * cos + rotate_half(q) * sin`` (and the same for ``k`
 concatenation, two products and a sum for each, every one a kernel reading and writing ``[B, H, T, D]``, and
 the backward as many again. Here one launch reads ``q``, ``k``, ``cos`` and ``sin`` once and writes both
 outputs, in fp32 rounded once; the backward likewise. ``cos`` and ``sin`` ``[B or 1, T, R]`` rotate the first
-``R`` channels (``R < D``: the partial rotary of GPT-NeoX, Phi-3, Qwen3.5...); the rest pass through.
+``R`` channels (``R < D``: the partial rotary of GPT-NeoX, Phi-3, Qwen3.5...); the rest pass through. With
+``interleaved=True`` the rotated pairs are the channels ``(2j, 2j + 1)`` rather than the halves ``(j, j + R/2)``
+(Cohere's, GLM's, Helium's and Ernie 4.5's ``rotate_half``).
 ``fastft/reference/rotary.py`` is the specification. Backends: ``triton`` and ``torch`` (the reference, its
 gradient written out). No GPU sync.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import autotune, dispatch
+from ._checks import bool_arg
 from ._custom_op import custom_op
 from .reference import rotary as reference
 
@@ -39,45 +42,45 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ---- custom ops: one kernel (or the torch reference) per call, on the backend named, no validation ----
 
 
-def _run(q, k, cos, sin, backward: bool, backend: str):
+def _run(q, k, cos, sin, backward: bool, interleaved: bool, backend: str):
     if backend == "torch":
-        return (reference.rotary_backward if backward else reference.rotary)(q, k, cos, sin)
+        return (reference.rotary_backward if backward else reference.rotary)(q, k, cos, sin, interleaved)
     from .kernels import rotary as kernels
 
     size = q.shape[2] * (q.shape[1] + k.shape[1])
-    return kernels.rotary(q, k, cos, sin, backward, **autotune.params(OP_ROTARY, q.device, size))
+    return kernels.rotary(q, k, cos, sin, backward, interleaved, **autotune.params(OP_ROTARY, q.device, size))
 
 
 @custom_op("fastft::rotary")
 def rotary_op(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` ``[B, Hq, T, D]`` and ``k`` ``[B, Hk, T, D]`` (unit channel stride) rotated by ``cos`` and ``sin``
     ``[B or 1, T, R]`` (unit last stride)."""
-    return _run(q, k, cos, sin, False, backend)
+    return _run(q, k, cos, sin, False, interleaved, backend)
 
 
 @rotary_op.register_fake
-def _(q, k, cos, sin, backend):
+def _(q, k, cos, sin, interleaved, backend):
     return torch.empty_like(q), torch.empty_like(k)
 
 
 @custom_op("fastft::rotary_backward")
 def rotary_backward_op(
-    dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str
+    dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q``'s and ``k``'s gradients from the outputs', ``dq`` and ``dk`` (unit channel stride)."""
-    return _run(dq, dk, cos, sin, True, backend)
+    return _run(dq, dk, cos, sin, True, interleaved, backend)
 
 
 @rotary_backward_op.register_fake
-def _(dq, dk, cos, sin, backend):
+def _(dq, dk, cos, sin, interleaved, backend):
     return torch.empty_like(dq), torch.empty_like(dk)
 
 
 def _setup(ctx, inputs, output):
-    q, k, cos, sin, backend = inputs
-    ctx.backend = backend
+    q, k, cos, sin, interleaved, backend = inputs
+    ctx.args = (interleaved, backend)
     ctx.inputs = [(t.shape, t.dtype, t.device) for t in (q, k)]  # for a gradient not given; not the tensors
     ctx.save_for_backward(cos, sin)
 
@@ -92,8 +95,8 @@ def _backward(ctx, grad_q, grad_k):
         torch.zeros(shape, dtype=dtype, device=device) if g is None else _unit(g)
         for g, (shape, dtype, device) in zip((grad_q, grad_k), ctx.inputs)
     ]
-    dq, dk = rotary_backward_op.op(*grads, cos, sin, ctx.backend)
-    return dq, dk, None, None, None
+    dq, dk = rotary_backward_op.op(*grads, cos, sin, *ctx.args)
+    return dq, dk, None, None, None, None
 
 
 rotary_op.register_autograd(_backward, setup_context=_setup)
@@ -103,11 +106,18 @@ rotary_op.register_autograd(_backward, setup_context=_setup)
 
 
 def rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: str | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` and ``k`` with their first ``R`` channels rotated: ``x * cos + rotate_half(x) * sin`` as
     transformers' ``apply_rotary_pos_emb`` (``unsqueeze_dim=1``), computed in fp32 and returned in each
-    input's dtype (see the module docstring).
+    input's dtype (see the module docstring). ``interleaved``: ``rotate_half`` of the pairs ``(2j, 2j + 1)``
+    (Cohere's, GLM's), ``cos`` and ``sin`` in the same layout.
 
     ``q``: ``[B, Hq, T, D]`` and ``k``: ``[B, Hk, T, D]``, fp32, bf16 or fp16, any strides (a transposed view
     of ``[B, T, H, D]`` is read as it lies, and the Triton path's outputs keep its layout); ``cos``, ``sin``:
@@ -115,8 +125,8 @@ def rotary(
     and ``sin`` take no gradient. ``backend``: ``auto``, ``triton`` or ``torch`` (default ``FASTFT_BACKEND``). No
     GPU sync.
 
-    Raises ``TypeError`` for non-tensors or other dtypes; ``ValueError`` for other shapes, tensors on different
-    devices, a ``cos`` or ``sin`` that requires grad, an unknown backend.
+    Raises ``TypeError`` for non-tensors or other dtypes, a non-bool ``interleaved``; ``ValueError`` for other
+    shapes, tensors on different devices, a ``cos`` or ``sin`` that requires grad, an unknown backend.
     """
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor):
@@ -142,7 +152,8 @@ def rotary(
         )
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise ValueError("cos and sin must not require grad: fastft.rotary does not differentiate them")
+    interleaved = bool_arg("interleaved", interleaved)
     chosen = dispatch.backend_for(OP_ROTARY, q.device, backend)
     if q.numel() == 0 or k.numel() == 0:
-        return reference.rotary(q, k, cos, sin)
-    return rotary_op(_unit(q), _unit(k), _unit(cos), _unit(sin), chosen)
+        return reference.rotary(q, k, cos, sin, interleaved)
+    return rotary_op(_unit(q), _unit(k), _unit(cos), _unit(sin), interleaved, chosen)

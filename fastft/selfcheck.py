@@ -393,8 +393,8 @@ def check_rms_norm(g: torch.Generator, device, max_tokens: int) -> None:
 
 def check_rotary(g: torch.Generator, device, max_tokens: int) -> None:
     """``fastft.rotary`` on the dispatched backend against ``fastft.reference.rotary`` on random batches, heads,
-    tokens, head and rotary widths, with ``q`` and ``k`` as transposed views (transformers' layout): both
-    outputs and gradients, fp32 within 1e-5."""
+    tokens, head and rotary widths and pairings (halves, interleaved), with ``q`` and ``k`` as transposed views
+    (transformers' layout): both outputs and gradients, fp32 within 1e-5."""
     from fastft.reference import rotary as reference
 
     batch, tokens = randint(g, 1, 2), randint(g, 1, max(1, max_tokens // 2))
@@ -405,12 +405,14 @@ def check_rotary(g: torch.Generator, device, max_tokens: int) -> None:
     angles = torch.randn((batch, 1)[randint(g, 0, 1)], tokens, r, generator=g).to(device)
     cos, sin = angles.cos(), angles.sin()
     grads = [torch.randn(t.shape, generator=g).to(device) for t in (q, k)]
-    out = fastft.rotary(q, k, cos, sin)
-    expected = reference.rotary(q, k, cos, sin)
+    interleaved = bool(randint(g, 0, 1))
+    out = fastft.rotary(q, k, cos, sin, interleaved=interleaved)
+    expected = reference.rotary(q, k, cos, sin, interleaved)
     got = (*out, *torch.autograd.grad(out, (q, k), grads))
     want = (*expected, *torch.autograd.grad(expected, (q, k), grads))
+    case = f"({tuple(q.shape)}, k {tuple(k.shape)}, R={r}, interleaved={interleaved})"
     for name, a, b in zip(("q", "k", "dq", "dk"), got, want):
-        assert_same(a, b, atol=1e-5, rtol=1e-5, path=f"rotary {name} ({tuple(q.shape)}, k {tuple(k.shape)}, R={r})")
+        assert_same(a, b, atol=1e-5, rtol=1e-5, path=f"rotary {name} {case}")
 
 
 def check_swiglu(g: torch.Generator, device, max_tokens: int) -> None:

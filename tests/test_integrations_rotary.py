@@ -1,6 +1,7 @@
 """fastft.integrations.transformers.rotary: a model's apply_rotary_pos_emb through fastft.rotary in its attention
 layers' training forwards (tiny transformers models): each form fastft takes (Llama's, the partial one of Phi-3,
-OLMo-2's cast, gpt-oss's half-width angles) trains as the model's own, loss and every gradient; evaluation,
+OLMo-2's cast, gpt-oss's half-width angles; the interleaved pairs of Cohere, GLM, Helium and Ernie 4.5) trains as
+the model's own, loss and every gradient; evaluation,
 generation and another model of the same family in the same process untouched; another form and another
 library's instance patch left (apply says which); revert puts the module's function back once no model uses
 it."""
@@ -30,6 +31,22 @@ FORMS = {  # config class, fields -> its modeling module, the form of its apply_
         "gpt_oss",
         ft_rotary.Form(partial=False, cast=False, halves=True),
     ),
+    "CohereConfig": (dict(), "cohere", ft_rotary.Form(partial=False, cast=True, one_dtype=True, interleaved=True)),
+    "GlmConfig": (
+        dict(head_dim=16, partial_rotary_factor=0.5),
+        "glm",
+        ft_rotary.Form(partial=True, cast=False, repeat=True, interleaved=True),
+    ),
+    "HeliumConfig": (
+        dict(head_dim=16),
+        "helium",
+        ft_rotary.Form(partial=False, cast=False, repeat=True, interleaved=True),
+    ),
+    "Ernie4_5Config": (
+        dict(head_dim=16),
+        "ernie4_5",
+        ft_rotary.Form(partial=False, cast=True, repeat=True, one_dtype=True, interleaved=True),
+    ),
 }
 
 
@@ -55,7 +72,7 @@ def clean_modules(monkeypatch):
     """Each test starts from transformers' own functions and no installs: models other tests applied and never
     reverted keep fastft's function installed in their modules (it serves only their marked forwards)."""
     monkeypatch.setattr(ft_rotary, "_installed", {})
-    for name in ("llama", "qwen3", "phi3", "olmo2", "gpt_oss"):
+    for name in ("llama", "qwen3", "phi3", "olmo2", "gpt_oss", "cohere", "glm", "helium", "ernie4_5"):
         module = modeling(name)
         fn = module.apply_rotary_pos_emb
         monkeypatch.setattr(module, "apply_rotary_pos_emb", getattr(fn, "fastft_replaced", fn))

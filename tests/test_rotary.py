@@ -1,8 +1,8 @@
-"""fastft.rotary: the reference against transformers' apply_rotary_pos_emb (full and partial), the reference's
-written-out gradient against autograd, both backends (outputs and gradients) against the reference on random
-shapes, layouts and rotary widths (hypothesis), the kernel at launch parameters the dispatcher does not pick,
-half precision within one rounding, argument checks, and on a GPU bf16 at Qwen3-8B's widths without a host
-sync. fp32 tolerance: 1e-5."""
+"""fastft.rotary: the reference against transformers' apply_rotary_pos_emb (full and partial; Cohere's, GLM's and
+Helium's interleaved pairs), the reference's written-out gradient against autograd, both backends (outputs and
+gradients) against the reference on random shapes, layouts, rotary widths and pairings (hypothesis), the kernel
+at launch parameters the dispatcher does not pick, half precision within one rounding, argument checks, and on a
+GPU bf16 at Qwen3-8B's widths without a host sync. fp32 tolerance: 1e-5."""
 
 import importlib
 
@@ -39,11 +39,11 @@ def _qk(batch, heads_q, heads_k, tokens, width, rng, device="cpu", transposed=Tr
     return one(heads_q), one(heads_k)
 
 
-def _check(q, k, cos, sin, backend, rng, tol=FP32):
+def _check(q, k, cos, sin, backend, rng, tol=FP32, interleaved=False):
     """fastft.rotary on ``backend`` against the reference in fp32: outputs, their layout, and both gradients."""
-    out = fastft.rotary(q, k, cos, sin, backend=backend)
+    out = fastft.rotary(q, k, cos, sin, interleaved=interleaved, backend=backend)
     leaves = [t.detach().float().requires_grad_() for t in (q, k)]
-    want = reference.rotary(*leaves, cos.float(), sin.float())
+    want = reference.rotary(*leaves, cos.float(), sin.float(), interleaved)
     grads = [torch.randn(t.shape, generator=rng).to(t.device, t.dtype) for t in (q, k)]
     got = torch.autograd.grad(out, (q, k), grads)
     want_grads = torch.autograd.grad(want, leaves, [g.float() for g in grads])
@@ -55,13 +55,14 @@ def _check(q, k, cos, sin, backend, rng, tol=FP32):
             assert a.stride() == x.stride()
 
 
-def test_backward_formula_is_autograd(rng):
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_backward_formula_is_autograd(rng, interleaved):
     q, k = _qk(2, 3, 2, 9, 12, rng)
     cos, sin = _angles(2, 9, 8, rng, halves=False)  # any angles: the halves of cos and sin differ
-    out = reference.rotary(q, k, cos, sin)
+    out = reference.rotary(q, k, cos, sin, interleaved)
     dy = [torch.randn(t.shape, generator=rng) for t in out]
     want = torch.autograd.grad(out, (q, k), dy)
-    for a, b in zip(reference.rotary_backward(*dy, cos, sin), want):
+    for a, b in zip(reference.rotary_backward(*dy, cos, sin, interleaved), want):
         torch.testing.assert_close(a, b, **FP32)
 
 
@@ -82,6 +83,24 @@ def test_reference_is_transformers(rng):
     assert not torch.allclose(reference.rotary(q, k, cos, sin)[0], reference.rotary(q, k, sin, cos)[0], **FP32)
 
 
+def test_reference_interleaved_is_transformers(rng):
+    """Cohere's apply_rotary_pos_emb (its cos and sin in pairs, computed in fp32) and GLM's, Helium's and Ernie
+    4.5's (the first half of cos and sin repeated pairwise; GLM's partial), with ``interleaved=True``."""
+    cohere = pytest.importorskip("transformers.models.cohere.modeling_cohere")
+    q, k = (t.detach() for t in _qk(2, 4, 2, 11, 16, rng))
+    a = torch.randn(2, 11, 8, generator=rng) * 3
+    cos, sin = a.repeat_interleave(2, dim=-1).cos(), a.repeat_interleave(2, dim=-1).sin()  # CohereRotaryEmbedding
+    for x, y in zip(reference.rotary(q, k, cos, sin, True), cohere.apply_rotary_pos_emb(q, k, cos, sin)):
+        torch.testing.assert_close(x, y, **FP32)
+    assert not torch.allclose(reference.rotary(q, k, cos, sin, True)[0], reference.rotary(q, k, cos, sin)[0])
+    for name, r in (("glm", 8), ("glm4", 16), ("helium", 16), ("ernie4_5", 16)):
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        cos, sin = _angles(1, 11, r, rng)  # transformers' layout: two equal halves
+        pairs = [t[..., : r // 2].repeat_interleave(2, dim=-1) for t in (cos, sin)]
+        for x, y in zip(reference.rotary(q, k, *pairs, True), module.apply_rotary_pos_emb(q, k, cos, sin)):
+            torch.testing.assert_close(x, y, **FP32, msg=name)
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @given(
     batch=st.integers(1, 2),
@@ -91,15 +110,18 @@ def test_reference_is_transformers(rng):
     rotated=st.floats(0.0, 1.0),
     cos_batch=st.booleans(),
     transposed=st.booleans(),
+    interleaved=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_matches_reference(backend, device, batch, heads, tokens, half_width, rotated, cos_batch, transposed, seed):
+def test_matches_reference(
+    backend, device, batch, heads, tokens, half_width, rotated, cos_batch, transposed, interleaved, seed
+):
     rng = torch.Generator().manual_seed(seed)
     width = 2 * half_width
     r = 2 * max(1, round(rotated * half_width))
     q, k = _qk(batch, *heads, tokens, width, rng, device, transposed)
     cos, sin = _angles(batch if cos_batch else 1, tokens, r, rng, device, halves=False)
-    _check(q, k, cos, sin, backend, rng)
+    _check(q, k, cos, sin, backend, rng, interleaved=interleaved)
 
 
 def test_kernel_tiles(device, rng):
@@ -108,11 +130,10 @@ def test_kernel_tiles(device, rng):
     kernels = pytest.importorskip("fastft.kernels.rotary")
     q, k = (t.detach() for t in _qk(2, 5, 3, 21, 20, rng, device))
     cos, sin = _angles(1, 21, 12, rng, device, halves=False)
-    want = reference.rotary(q, k, cos, sin)
-    for block_t, heads in ((4, 1), (8, 2), (32, 8)):
+    for block_t, heads, interleaved in ((4, 1, False), (8, 2, True), (32, 8, False), (32, 8, True)):
         for backward in (False, True):
-            got = kernels.rotary(q, k, cos, sin, backward, BLOCK_T=block_t, HEADS=heads, num_warps=1)
-            expected = reference.rotary_backward(q, k, cos, sin) if backward else want
+            got = kernels.rotary(q, k, cos, sin, backward, interleaved, BLOCK_T=block_t, HEADS=heads, num_warps=1)
+            expected = (reference.rotary_backward if backward else reference.rotary)(q, k, cos, sin, interleaved)
             for a, b in zip(got, expected):
                 torch.testing.assert_close(a, b, **FP32)
 
@@ -187,6 +208,8 @@ def test_checks_arguments(device, rng):
         fastft.rotary(q, k, cos.requires_grad_(), sin)
     with pytest.raises(ValueError, match="backend must be one of"):
         fastft.rotary(q, k, cos.detach(), sin, backend="cuda")
+    with pytest.raises(TypeError, match="interleaved must be True or False"):
+        fastft.rotary(q, k, cos.detach(), sin, interleaved=1)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -225,5 +248,5 @@ def test_the_check_command_case(device, rng):
     from fastft import selfcheck
 
     assert selfcheck.CHECKS["rotary"] is selfcheck.check_rotary
-    for _ in range(5):
+    for _ in range(8):
         selfcheck.check_rotary(rng, device, 24)

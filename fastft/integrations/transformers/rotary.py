@@ -9,7 +9,10 @@ attention layers call by that module-level name. fastft reads the function and t
 - the partial forms (GPT-NeoX's, Phi-3's; Qwen3.5, Qwen3-Next, Bamba, GLM-4.5): the first ``cos.shape[-1]``
   channels rotated, the rest passed through;
 - OLMo-2's: Llama's cast back to each input's dtype (any ``cos`` dtype);
-- gpt-oss's: ``cos`` and ``sin`` of half the width, applied to both halves (``_apply_rotary_emb``).
+- gpt-oss's: ``cos`` and ``sin`` of half the width, applied to both halves (``_apply_rotary_emb``);
+- with ``rotate_half`` of the interleaved pairs ``(2j, 2j + 1)`` (``fastft.rotary(..., interleaved=True)``):
+  Cohere's (computed in fp32, both outputs in ``q``'s dtype), and GLM's, GLM-4's, Helium's and Ernie 4.5's, which
+  first repeat the first half of ``cos`` and ``sin`` pairwise (GLM's partial, Ernie's in fp32).
 
 It installs, in place of each such function, one that calls ``fastft.rotary`` while one of the model's
 attention layers runs a training forward (train mode, not a forward the model runs on its own code:
@@ -37,11 +40,20 @@ from .source import body
 NAME = "apply_rotary_pos_emb"
 _ROTATE_HALF = "x1 = x[..., : x.shape[-1] // 2] x2 = x[..., x.shape[-1] // 2 :] return torch.cat((-x2, x1), dim=-1)"
 _HEAD = "cos = cos.unsqueeze(unsqueeze_dim) sin = sin.unsqueeze(unsqueeze_dim) "
-_PARTIAL_HEAD = (
-    _HEAD + "rotary_dim = cos.shape[-1] q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:] k_rot, k_pass = "
+_FULL = "q_embed = (q * cos) + (rotate_half(q) * sin) k_embed = (k * cos) + (rotate_half(k) * sin) "
+_REPEAT = (
+    "cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1) sin = sin[..., : sin.shape[-1] // 2]"
+    ".repeat_interleave(2, dim=-1) "
+)
+_ROTARY_DIM = (
+    "rotary_dim = cos.shape[-1] q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:] k_rot, k_pass = "
     "k[..., :rotary_dim], k[..., rotary_dim:] "
 )
-_FULL = "q_embed = (q * cos) + (rotate_half(q) * sin) k_embed = (k * cos) + (rotate_half(k) * sin) "
+_PARTIAL_CAT = (
+    "q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin) k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin) "
+    "q_embed = torch.cat([q_embed, q_pass], dim=-1) k_embed = torch.cat([k_embed, k_pass], dim=-1) return q_embed, "
+    "k_embed"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +61,15 @@ class Form:
     partial: bool  # cos may rotate fewer channels than the heads have
     cast: bool  # the outputs are cast back to the inputs' dtypes (so cos may have another dtype)
     halves: bool = False  # cos and sin hold one half's angles, for both halves (gpt-oss)
+    repeat: bool = False  # cos's and sin's first half repeated pairwise first (GLM, Helium, Ernie 4.5)
+    one_dtype: bool = False  # both outputs in q's dtype (Cohere, Ernie 4.5): q and k must share it
+    interleaved: bool = False  # rotate_half pairs the channels (2j, 2j + 1): set from the module's rotate_half
 
 
 _FORMS = {
     _HEAD + _FULL + "return q_embed, k_embed": Form(partial=False, cast=False),
-    _PARTIAL_HEAD + "q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin) k_embed = (k_rot * cos) + "
-    "(rotate_half(k_rot) * sin) q_embed = torch.cat([q_embed, q_pass], dim=-1) k_embed = torch.cat([k_embed, "
-    "k_pass], dim=-1) return q_embed, k_embed": Form(partial=True, cast=False),
-    _PARTIAL_HEAD + "q_embed = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1) k_embed = "
+    _HEAD + _ROTARY_DIM + _PARTIAL_CAT: Form(partial=True, cast=False),
+    _HEAD + _ROTARY_DIM + "q_embed = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1) k_embed = "
     "torch.cat([(k_rot * cos) + (rotate_half(k_rot) * sin), k_pass], dim=-1) return q_embed, k_embed": Form(
         partial=True, cast=False
     ),
@@ -65,6 +78,17 @@ _FORMS = {
     ),
     _HEAD + "q_embed = _apply_rotary_emb(q, cos, sin) k_embed = _apply_rotary_emb(k, cos, sin) return q_embed, "
     "k_embed": Form(partial=False, cast=False, halves=True),
+    "dtype = q.dtype q = q.float() k = k.float() " + _HEAD + _FULL + "return q_embed.to(dtype=dtype), "
+    "k_embed.to(dtype=dtype)": Form(partial=False, cast=True, one_dtype=True),
+    _HEAD + _REPEAT + _ROTARY_DIM + _PARTIAL_CAT: Form(partial=True, cast=False, repeat=True),
+    _HEAD + _REPEAT + _FULL + "return q_embed, k_embed": Form(partial=False, cast=False, repeat=True),
+    "original_dtype = q.dtype " + _HEAD + _REPEAT + "q_embed = (q.float() * cos) + (rotate_half(q).float() * sin) "
+    "k_embed = (k.float() * cos) + (rotate_half(k).float() * sin) return q_embed.to(original_dtype), "
+    "k_embed.to(original_dtype)": Form(partial=False, cast=True, repeat=True, one_dtype=True),
+}
+_ROTATE_PAIRS = {  # rotate_half of the interleaved pairs, each spelling
+    "x1 = x[..., ::2] x2 = x[..., 1::2] rot_x = torch.stack([-x2, x1], dim=-1).flatten(-2) return rot_x",
+    "x1 = x[..., 0::2] x2 = x[..., 1::2] return torch.stack((-x2, x1), dim=-1).flatten(-2)",
 }
 _APPLY_HALVES = (
     "first_half, second_half = torch.chunk(x, 2, dim=-1) first_ = first_half * cos - second_half * sin second_ = "
@@ -87,11 +111,15 @@ def rotary_form(fn) -> Form | None:
     if tuple(parameters) != _PARAMETERS or parameters["unsqueeze_dim"].default != 1:
         return None
     form = _FORMS.get(body(fn))
-    helper, text = (
-        ("_apply_rotary_emb", _APPLY_HALVES) if form is not None and form.halves else ("rotate_half", _ROTATE_HALF)
-    )
-    found = getattr(fn, "__globals__", {}).get(helper)
-    return form if found is not None and body(found) == text else None
+    if form is None:
+        return None
+    found = getattr(fn, "__globals__", {}).get("_apply_rotary_emb" if form.halves else "rotate_half")
+    text = body(found) if found is not None else None
+    if form.halves:
+        return form if text == _APPLY_HALVES else None
+    if text == _ROTATE_HALF:
+        return form
+    return dataclasses.replace(form, interleaved=True) if text in _ROTATE_PAIRS else None
 
 
 def _takes(form: Form, q, k, cos, sin, unsqueeze_dim) -> bool:
@@ -113,6 +141,8 @@ def _takes(form: Form, q, k, cos, sin, unsqueeze_dim) -> bool:
     dtypes = {q.dtype, k.dtype, cos.dtype, sin.dtype}
     if not dtypes <= set(_DTYPES) or (not form.cast and len(dtypes) > 1):
         return False
+    if form.one_dtype and q.dtype != k.dtype:
+        return False
     return len({t.device for t in (q, k, cos, sin)}) == 1
 
 
@@ -125,7 +155,9 @@ def _dispatcher(original, form: Form):
         if getattr(_marked, "depth", 0) > 0 and _takes(form, q, k, cos, sin, unsqueeze_dim):
             if form.halves:
                 cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-            return rotary(q, k, cos, sin)
+            elif form.repeat:
+                cos, sin = (t[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1) for t in (cos, sin))
+            return rotary(q, k, cos, sin, interleaved=form.interleaved)
         return original(q, k, cos, sin, unsqueeze_dim)
 
     apply_rotary_pos_emb.fastft_replaced = original
