@@ -78,7 +78,7 @@ def test_generate_after_apply_gives_the_models_tokens(model_type, rng, device):
                 got = outcome(model, inputs, sampling, seed)
                 assert same(got, want), f"{model_type}, {mode} mode, {name}, sampling={sampling}: {got} != {want}"
     # nothing was left switched: the next training step is fastft's (packed attention, its checkpoint)
-    assert lifecycle.KIND not in model.model.__dict__
+    assert lifecycle.KIND not in model.base_model.__dict__  # the decoder stack
     assert all(m.gradient_checkpointing for m in model.modules() if hasattr(m, "_gradient_checkpointing_func"))
     assert model.config._attn_implementation == "fastft"
     if model_type in MOE:

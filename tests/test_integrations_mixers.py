@@ -10,14 +10,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fastft.integrations.transformers import apply, mixers, revert, use_packed_attention  # noqa: E402
+from fastft.integrations.transformers import apply, mixer_ops, mixers, revert, use_packed_attention  # noqa: E402
 
 # transformers 5.17's causal-LM families whose layers mix tokens outside attention (or with attention kinds
 # fastft does not implement), each built from its default config on the meta device (no memory)
 REFUSED = {
-    "falcon_mamba": "FalconMambaMixer",
-    "mamba": "MambaMixer|Mamba",  # Mamba: fla's, once flash-linear-attention registers its models over these
-    "mamba2": "Mamba2Mixer|Mamba2",  # its decoder stack takes no position_ids
     "recurrent_gemma": "RecurrentGemmaRecurrentBlock",
     "rwkv": "RwkvSelfAttention",
     "xlstm": "xlstm",
@@ -29,7 +26,7 @@ ATTENTION_ONLY = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "gemma3_text", "gemm
 # families whose mixers fastft makes packing-correct (their default configs hold such layers)
 SUPPORTED = (
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "kimi_linear", "bamba", "granitemoehybrid",
-    "falcon_h1", "nemotron_h", "zamba2", "jamba", "minimax",
+    "falcon_h1", "nemotron_h", "zamba2", "jamba", "minimax", "mamba", "mamba2", "falcon_mamba",
 )  # fmt: skip
 
 
@@ -171,10 +168,13 @@ HYBRIDS = {
     "minimax": dict(
         layer_types=["linear_attention", "full_attention"], block_size=4, num_local_experts=4, num_experts_per_tok=2
     ),
+    # pure Mamba stacks: their causal LM and stack hand on no keyword arguments (fastft hands the blocks the info)
+    "mamba": dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=4, use_mambapy=False),
+    "mamba2": dict(num_heads=4, head_dim=16, state_size=8, n_groups=1, expand=2, chunk_size=4),
+    "falcon_mamba": dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=4),
 }  # fmt: skip
 UNSUPPORTED = {
-    "mamba2": dict(num_heads=4, head_dim=16, state_size=8, n_groups=1, expand=2, chunk_size=4),
-    "falcon_mamba": dict(state_size=8, expand=2, conv_kernel=4),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=32, attention_window_size=8),
 }
 
 
@@ -379,4 +379,52 @@ def test_replaced_layer_forward_keeps_the_layer_checkpointed(rng, device, monkey
     step(model, ids, pos)
     assert sorted(calls) == list(range(len(model.model.layers)))
     assert {type(layer).__name__ for layer in model.model.layers} >= {"JambaMambaDecoderLayer"}
+    revert(model)
+
+
+@pytest.mark.parametrize("model_type, scan", [("mamba", "packed_selective_scan"), ("mamba2", "packed_ssd_scan")])
+def test_a_pure_mamba_stack_hands_its_blocks_the_info_and_lets_go(model_type, scan, rng, monkeypatch):
+    """Mamba's causal LM and stack hand on no keyword arguments: fastft's packed scan still runs in every block's
+    forward and again in its checkpoint's recomputation, and what the hooks hold is let go after the call, also
+    when it raises."""
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    model = apply(tiny(model_type, rng, **HYBRIDS[model_type]).train())
+    original, calls = getattr(mixer_ops, scan), []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(mixer_ops, scan, counted)
+    ids, pos, _ = documents(rng, model.config.vocab_size)
+    out = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    assert len(calls) == model.config.num_hidden_layers
+    assert mixer_ops.STACK_INFO.get() is None and mixer_ops.CALL_KWARGS.get() is None
+    out.float().sum().backward()
+    assert len(calls) == 2 * model.config.num_hidden_layers  # the recomputation ran packed too
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("scan failed")
+
+    monkeypatch.setattr(mixer_ops, scan, fails)
+    with pytest.raises(RuntimeError, match="scan failed"):
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+    assert mixer_ops.STACK_INFO.get() is None and mixer_ops.CALL_KWARGS.get() is None
+    revert(model)
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "mamba2", "falcon_mamba"])
+def test_a_pure_mamba_stack_keeps_documents_apart_in_a_packed_eval_forward(model_type, rng, monkeypatch):
+    """A padding-free evaluation batch (eval mode, no grad: the documents given by position_ids, which the causal
+    LM does not hand its stack) is packed too: each document's logits are its own."""
+    monkeypatch.setenv("FASTFT_BACKEND", "torch")
+    model = apply(tiny(model_type, rng, **HYBRIDS[model_type])).eval()
+    ids, pos, lengths = documents(rng, model.config.vocab_size)
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        start = 0
+        for n in lengths:
+            alone = model(input_ids=ids[:, start : start + n], position_ids=pos[:, start : start + n], use_cache=False)
+            torch.testing.assert_close(packed[start : start + n], alone.logits[0], atol=1e-5, rtol=1e-5)
+            start += n
     revert(model)

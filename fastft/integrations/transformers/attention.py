@@ -12,6 +12,7 @@ from ...attention import packed_attention
 from ...packing import packed_seq_info
 from ..models import PACKED_INFO_KWARG, decoder_stack, model_state, transformers_model
 from . import graph_padding, lifecycle
+from .mixer_ops import CALL_KWARGS
 from .mixers import check_packing, use_packed_mixers
 
 ATTENTION_IMPLEMENTATION = "fastft"
@@ -108,6 +109,9 @@ def prepare_packed_batch(module, args, kwargs, graphs: bool | str = False):
     graph_padding.drop_stale(module)
     if lifecycle.forward_kind(module) == lifecycle.STOCK:
         return args, kwargs  # the model's own attention
+    held = CALL_KWARGS.get()  # the boundaries a causal LM that hands its stack none was called with (Mamba's)
+    if held:
+        kwargs = {**held, **kwargs}
     if len(args) > 1:
         raise ValueError("with fastft packed attention, pass attention_mask and position_ids as keyword arguments")
     mask = kwargs.get("attention_mask")

@@ -29,6 +29,7 @@ import torch
 
 from ..models import decoder_stack, model_state, step_aside, transformers_model
 from . import versions
+from .mixer_ops import CALL_KWARGS
 
 TRAIN, PACKED, STOCK = "train", "packed", "stock"
 KIND = "fastft_forward"  # in the decoder stack's __dict__ during a forward: its _Forward
@@ -110,7 +111,8 @@ def own(inner, attribute: str, before: list) -> None:
 
 def _begin(module, kwargs, inner) -> None:
     _finish(module)  # a forward that raised before the hook below ran
-    kind = classify(module, kwargs)
+    held = CALL_KWARGS.get()  # the boundaries a causal LM that hands its stack none was called with (Mamba's)
+    kind = classify(module, {**held, **kwargs} if held else kwargs)
     if kind == TRAIN:
         return None
     layers = [m for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True]

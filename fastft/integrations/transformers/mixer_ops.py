@@ -1,7 +1,9 @@
 """fastft's ops in place of the functions transformers' token mixers call (``mixers.use_packed_mixers`` puts
 them there): each reads the batch's ``PackedSeqInfo`` from the call's keyword arguments (or, for a mixer its
 layer calls without them, from the layer: ``LAYER_INFO``) and runs fastft's packed op; a call without one
-(generation with a cache, another model of the family) runs transformers' own function unchanged."""
+(generation with a cache, another model of the family) runs transformers' own function unchanged. Decoder
+stacks that hand their blocks no keyword arguments (Mamba, Mamba-2, Falcon-Mamba) get the info to their blocks
+through ``STACK_INFO`` and ``block_call``."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ KDA_FN = "chunk_kimi_delta_attention"
 SSD_FN = "mamba2_chunk_scan"
 FUSED_SSD_FN = "mamba2_split_conv1d_scan_combined"  # mamba_ssm's fused kernel where installed, else None
 SELECTIVE_SCAN_FN = "mamba_selective_scan"
+INNER_FN = "mamba_inner_fn"  # Mamba-1's fused kernel (mamba_ssm's where installed, else None)
 FORWARD = "forward"  # the mixer class's own forward, replaced where no function of its module does the mixing
 
 
@@ -157,6 +160,18 @@ def _fused_ssd_fn(original):
     return mamba2_split_conv1d_scan_combined
 
 
+def _inner_fn(original):
+    def mamba_inner_fn(*args, **kwargs):
+        """None (the mixer then takes its unfused path, whose convolution and scan fastft replaces) in a packed
+        batch; transformers' own (mamba_ssm's fused kernel where installed, else None) otherwise."""
+        if kwargs.get(PACKED_INFO_KWARG, LAYER_INFO.get()) is not None:
+            return None
+        return original(*args, **kwargs)
+
+    mamba_inner_fn.__wrapped__ = original
+    return mamba_inner_fn
+
+
 def _selective_scan_fn(original):
     def mamba_selective_scan(
         hidden_states,
@@ -218,6 +233,28 @@ def _layer_forward(original):
     return forward
 
 
+# The batch's info while a decoder stack of ``STACKS`` (Mamba, Mamba-2, Falcon-Mamba) runs, and the boundaries
+# (position_ids, cu_seq_lens_q, max_length_q) its causal LM was called with: these models hand neither on.
+STACK_INFO: contextvars.ContextVar = contextvars.ContextVar("fastft_stack_info", default=None)
+CALL_KWARGS: contextvars.ContextVar = contextvars.ContextVar("fastft_call_kwargs", default=None)
+BOUNDARY_KWARGS = ("position_ids", "cu_seq_lens_q", "max_length_q")
+
+
+def block_call(original):
+    """A block class's ``__call__`` that passes the block the batch's info (``STACK_INFO``) as a keyword
+    argument, before transformers' checkpointing takes the call's arguments: its recomputation in the backward,
+    when the stack no longer runs, gets the info too."""
+
+    def __call__(self, *args, **kwargs):
+        info = STACK_INFO.get()
+        if info is not None and PACKED_INFO_KWARG not in kwargs:
+            kwargs[PACKED_INFO_KWARG] = info
+        return original(self, *args, **kwargs)
+
+    __call__.__wrapped__ = original
+    return __call__
+
+
 def _lightning_forward(original):
     signature = inspect.signature(original)
 
@@ -258,5 +295,11 @@ REPLACEMENTS = {
     SSD_FN: _ssd_fn,
     FUSED_SSD_FN: _fused_ssd_fn,
     SELECTIVE_SCAN_FN: _selective_scan_fn,
+    INNER_FN: _inner_fn,
 }
-FORWARDS = {"MiniMaxLightningAttention": _lightning_forward, "JambaMambaDecoderLayer": _layer_forward}
+FORWARDS = {
+    "MiniMaxLightningAttention": _lightning_forward,
+    "JambaMambaDecoderLayer": _layer_forward,
+    "MambaBlock": _layer_forward,
+    "FalconMambaBlock": _layer_forward,
+}

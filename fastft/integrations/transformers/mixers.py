@@ -9,13 +9,17 @@ packing-correct, and the patching that puts fastft's ops (``mixer_ops``) in the 
   (its positions would run on across documents). ``check_packing(model)`` raises a ``ValueError`` naming
   those fastft does not support.
 - Supported (``SUPPORTED``): Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid), Kimi Delta
-  Attention (Kimi-Linear), Mamba-2 (Bamba, Granite-4.0-H, Falcon-H1, Nemotron-H, Zamba2), Jamba's Mamba,
-  MiniMax's lightning attention and LFM2's short convolutions. ``use_packed_mixers(model)`` replaces the
-  functions their modeling module calls (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``,
-  ``mamba2_chunk_scan``, ...) or, where no function of the module does the mixing, the class's forward, by
-  ``mixer_ops``'s, fed the batch's ``PackedSeqInfo`` (which the decoder stack's pre-hook hands every layer);
-  a call without it (generation with a cache, another model of the family) runs transformers' code
-  unchanged. A mixer class is supported only if its source still makes those calls the way fastft reads them.
+  Attention (Kimi-Linear), Mamba-2 (Bamba, Granite-4.0-H, Falcon-H1, Nemotron-H, Zamba2, Mamba-2), Mamba-1
+  (Jamba, Mamba, Falcon-Mamba), MiniMax's lightning attention and LFM2's short convolutions.
+  ``use_packed_mixers(model)`` replaces the functions their modeling module calls (``causal_conv1d_fn``,
+  ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``, ...) or, where no function of the module does the
+  mixing, the class's forward, by ``mixer_ops``'s, fed the batch's ``PackedSeqInfo`` (which the decoder stack's
+  pre-hook hands every layer); a call without it (generation with a cache, another model of the family) runs
+  transformers' code unchanged. A mixer class is supported only if its source still makes those calls the way
+  fastft reads them.
+- The pure Mamba stacks (``STACKS``) pass the batch's keyword arguments neither from their causal LM to the
+  stack nor to their blocks: fastft holds them while the model runs and hands each block the info
+  (``mixer_ops.block_call``), before transformers' checkpointing takes the block's arguments.
 """
 
 from __future__ import annotations
@@ -31,15 +35,20 @@ import torch
 from ..models import PACKED_INFO_KWARG, decoder_stack, model_state, transformers_model
 from . import versions
 from .mixer_ops import (  # noqa: F401  (the names of the functions fastft replaces, by their modules)
+    BOUNDARY_KWARGS,
+    CALL_KWARGS,
     CONV_FN,
     DELTA_RULE_FN,
     FORWARD,
     FORWARDS,
     FUSED_SSD_FN,
+    INNER_FN,
     KDA_FN,
     REPLACEMENTS,
     SELECTIVE_SCAN_FN,
     SSD_FN,
+    STACK_INFO,
+    block_call,
 )
 
 # layer_types fastft makes packing-correct: attention through the registry, per-token MLP kinds, and the
@@ -59,7 +68,7 @@ MIXER_NAMES = re.compile(
 WHAT_TO_DO = (
     "fastft cannot keep documents apart there yet, so packed training would carry state or positions from one "
     "document into the next: train without packing (apply(model, packing=False) and padded batches), or a model "
-    "whose layers fastft supports (attention, Gated DeltaNet, Kimi Delta Attention, Mamba-2 and Jamba's Mamba, "
+    "whose layers fastft supports (attention, Gated DeltaNet, Kimi Delta Attention, Mamba-2 and Mamba-1, "
     "MiniMax's lightning attention, LFM2's short convolutions)"
 )
 
@@ -79,6 +88,9 @@ SUPPORTED = {
     "NemotronHMamba2Mixer": MAMBA2,
     "Zamba2MambaMixer": MAMBA2,
     "JambaMambaMixer": (CONV_FN, SELECTIVE_SCAN_FN),
+    "MambaMixer": (CONV_FN, SELECTIVE_SCAN_FN, INNER_FN),
+    "FalconMambaMixer": (CONV_FN, SELECTIVE_SCAN_FN, INNER_FN),
+    "Mamba2Mixer": MAMBA2,
     "MiniMaxLightningAttention": (FORWARD,),
 }
 # the calls' text in the mixer's forward: the batch's info reaches them through **kwargs, or LFM2's seq_idx, or
@@ -92,12 +104,27 @@ CALLS = {
         r"fused_kwargs = kwargs \|(?s:.)*mamba2_split_conv1d_scan_combined\((?:[^()]|\([^()]*\))*\*\*fused_kwargs"
     ),
     SELECTIVE_SCAN_FN: re.compile(r"mamba_selective_scan\("),
+    INNER_FN: re.compile(r"mamba_inner_fn\("),
 }
 # mixer class -> its decoder layer class (same modeling module), which holds the batch's info while it runs: the
 # layer hands the mixer no keyword arguments
-CONTEXT_LAYERS = {"JambaMambaMixer": ("JambaMambaDecoderLayer", re.compile(r"self\.mamba\("))}
+CONTEXT_LAYERS = {
+    "JambaMambaMixer": ("JambaMambaDecoderLayer", re.compile(r"self\.mamba\(")),
+    "MambaMixer": ("MambaBlock", re.compile(r"self\.mixer\(")),
+    "FalconMambaMixer": ("FalconMambaBlock", re.compile(r"self\.mixer\(")),
+}
+# decoder stacks (Mamba, Mamba-2, Falcon-Mamba: no positions) whose causal LM hands them no position_ids and which
+# call their blocks without the batch's keyword arguments: stack class -> (its block class, the blocks' call
+# in the stack's forward, the stack's call in the causal LM's forward); their model types name a mixer
+STACKS = {
+    "MambaModel": ("MambaBlock", re.compile(r"mixer_block\("), re.compile(r"self\.backbone\(")),
+    "Mamba2Model": ("Mamba2Block", re.compile(r"mixer_block\("), re.compile(r"self\.backbone\(")),
+    "FalconMambaModel": ("FalconMambaBlock", re.compile(r"mixer_block\("), re.compile(r"self\.backbone\(")),
+}
+STACK_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba"})
 # calls a supported mixer's forward must not make: fused kernels fastft does not replace (mamba_ssm's, where installed)
-UNHANDLED_CALLS = re.compile(r"\b(mamba_inner_fn|mamba_split_conv1d_scan_combined|selective_scan_fn)\(")
+# (mamba_inner_fn: only where fastft replaces it, see ``supported``)
+UNHANDLED_CALLS = re.compile(r"\b(mamba_split_conv1d_scan_combined|selective_scan_fn)\(")
 # classes whose forward fastft replaces: the lines of transformers' source (the class's) that fastft's forward
 # computes again; each must still be there
 FORWARD_SOURCE = {
@@ -146,7 +173,7 @@ def _config_blockers(model) -> list[Blocker]:
     config = _text_config(model)
     found = []
     model_type = getattr(config, "model_type", None) or ""
-    if MIXER_NAMES.search(model_type):
+    if MIXER_NAMES.search(model_type) and model_type not in STACK_MODEL_TYPES:  # theirs: checked module by module
         found.append(Blocker("config.model_type", model_type, f"a recurrent family ({model_type!r})"))
     for name in ("layer_types", "layers_block_type", "mlp_layer_types"):
         kinds = getattr(config, name, None)
@@ -232,11 +259,31 @@ def supported(module: torch.nn.Module) -> bool:
                 return False
     except (OSError, TypeError):
         return False
+    if CALLS[INNER_FN].search(source) and INNER_FN not in functions:  # Mamba-1's fused kernel, unreplaced
+        return False
     return not UNHANDLED_CALLS.search(source) and all(CALLS[n].search(source) for n in functions)
 
 
 def _takes_kwargs(fn) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+
+
+def _stack_supported(inner, stack) -> bool:
+    """Whether ``stack`` is one of ``STACKS`` (no positions) whose forward still calls its blocks, and whose
+    causal LM still calls it, as fastft reads them: fastft then hands its blocks the batch's info."""
+    entry = STACKS.get(type(stack).__name__)
+    if entry is None or stack is inner:
+        return False
+    block = getattr(sys.modules.get(type(stack).__module__), entry[0], None)
+    try:
+        return (
+            isinstance(block, type)
+            and _takes_kwargs(block.forward)
+            and bool(entry[1].search(inspect.getsource(type(stack).forward)))
+            and bool(entry[2].search(inspect.getsource(type(inner).forward)))
+        )
+    except (OSError, TypeError):
+        return False
 
 
 def packing_blockers(model) -> list[Blocker]:
@@ -246,7 +293,8 @@ def packing_blockers(model) -> list[Blocker]:
     modules = dict(_language_model(inner).named_modules())
     blockers = _config_blockers(inner)
     stack = decoder_stack(inner)
-    if "position_ids" not in inspect.signature(stack.forward).parameters:  # e.g. BART's decoder as a causal LM
+    takes_positions = "position_ids" in inspect.signature(stack.forward).parameters
+    if not takes_positions and not _stack_supported(inner, stack):  # e.g. BART's decoder as a causal LM
         why = "its forward takes no position_ids: positions run on across documents"
         blockers.append(Blocker("decoder stack", type(stack).__name__, why))
     for blocker in _module_blockers(inner):
@@ -316,6 +364,56 @@ def _prepare_mixers(module, args, kwargs):
     return args, {**kwargs, "seq_idx": info, "use_cache": False}
 
 
+def _hold_boundaries(kwargs):
+    held = {k: kwargs[k] for k in BOUNDARY_KWARGS if kwargs.get(k) is not None}
+    return held or None
+
+
+def _hold_info(kwargs):
+    return kwargs.get(PACKED_INFO_KWARG)
+
+
+def _hold(module, value, var) -> list:
+    """Hooks that set ``var`` to ``value(kwargs)`` while ``module``'s forward runs (and back after it, even
+    when it raises)."""
+    tokens = []
+
+    def enter(module, args, kwargs):
+        tokens.append(var.set(value(kwargs)))
+
+    def leave(module, args, kwargs, output):
+        if tokens:
+            var.reset(tokens.pop())
+
+    return [
+        module.register_forward_pre_hook(enter, with_kwargs=True),
+        module.register_forward_hook(leave, with_kwargs=True, always_call=True),
+    ]
+
+
+def _replace_call(cls):
+    """``cls.__call__`` as ``block_call``'s, once for all the models that use it; returns this model's undo."""
+    key = (cls.__module__, cls.__name__, "__call__")
+    patch = _patched.setdefault(key, _Patch(None, 0, None))
+    if cls.__dict__.get("__call__") is not patch.replacement or patch.replacement is None:
+        patch.original = cls.__dict__.get("__call__")
+        patch.replacement = block_call(cls.__call__)
+        cls.__call__ = patch.replacement
+    patch.models += 1
+
+    def restore():
+        patch.models -= 1
+        if patch.models == 0:
+            _patched.pop(key)
+            if cls.__dict__.get("__call__") is patch.replacement:
+                if patch.original is None:
+                    del cls.__call__
+                else:
+                    cls.__call__ = patch.original
+
+    return restore
+
+
 def use_packed_mixers(model):
     """fastft's packed ops in every supported mixer of ``model`` (after ``check_packing``); returns the model.
     Recorded once per model; ``revert`` restores transformers' functions once no model uses fastft's."""
@@ -337,10 +435,16 @@ def use_packed_mixers(model):
         if cls.__name__ in CONTEXT_LAYERS:
             layer = getattr(namespace, CONTEXT_LAYERS[cls.__name__][0])
             restores.append(_replace(layer, FORWARD, FORWARDS[layer.__name__]))
-    hook = decoder_stack(model).register_forward_pre_hook(_prepare_mixers, with_kwargs=True)
+    stack = decoder_stack(model)
+    hooks = [stack.register_forward_pre_hook(_prepare_mixers, with_kwargs=True)]
+    if _stack_supported(inner, stack):  # its causal LM and the stack hand on no boundaries: fastft does
+        block = getattr(sys.modules[type(stack).__module__], STACKS[type(stack).__name__][0])
+        restores.append(_replace_call(block))
+        hooks += _hold(inner, _hold_boundaries, CALL_KWARGS) + _hold(stack, _hold_info, STACK_INFO)
 
     def undo():
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
         for restore in restores:
             restore()
 
