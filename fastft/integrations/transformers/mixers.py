@@ -328,20 +328,23 @@ class _Patch:
 
 
 def _replace(namespace, name: str, make=None):
-    """Replace ``namespace.name`` (a modeling module's function, or with ``make`` a class's forward) by fastft's,
-    once for all the models that use it; returns the undo of this model's use."""
+    """Replace ``namespace.name`` (a modeling module's function, or with ``make`` a class's forward or
+    ``__call__``) by fastft's, once for all the models that use it; returns the undo of this model's use."""
     key = (namespace.__name__, name) if make is None else (namespace.__module__, namespace.__name__, name)
     patch = _patched.setdefault(key, _Patch(None, 0, None))
     if make is None:
         get, put = functools.partial(getattr, namespace, name), functools.partial(setattr, namespace, name)
-    else:  # a class's forward (inside transformers' checkpointing wrapper, where it has one)
+    elif name == FORWARD:  # a class's forward (inside transformers' checkpointing wrapper, where it has one)
         get, put = (
             functools.partial(versions.layer_forward, namespace),
             functools.partial(versions.set_layer_forward, namespace),
         )
+    else:  # a class's own attribute (None: inherited, and deleted again on restore)
+        get, put = functools.partial(namespace.__dict__.get, name), functools.partial(_set_own, namespace, name)
     current = get()
-    if current is not patch.replacement:  # first use, or the module's function was set anew since (a reload)
-        patch.original, patch.replacement = current, (make or REPLACEMENTS[name])(current)
+    if current is not patch.replacement or current is None:  # first use, or set anew since (a reload)
+        inherited = current if current is not None else getattr(namespace, name)
+        patch.original, patch.replacement = current, (make or REPLACEMENTS[name])(inherited)
         put(patch.replacement)
     patch.models += 1
 
@@ -353,6 +356,13 @@ def _replace(namespace, name: str, make=None):
                 put(patch.original)
 
     return restore
+
+
+def _set_own(cls, name: str, value) -> None:
+    if value is None:
+        delattr(cls, name)
+    else:
+        setattr(cls, name, value)
 
 
 def _prepare_mixers(module, args, kwargs):
@@ -391,29 +401,6 @@ def _hold(module, value, var) -> list:
     ]
 
 
-def _replace_call(cls):
-    """``cls.__call__`` as ``block_call``'s, once for all the models that use it; returns this model's undo."""
-    key = (cls.__module__, cls.__name__, "__call__")
-    patch = _patched.setdefault(key, _Patch(None, 0, None))
-    if cls.__dict__.get("__call__") is not patch.replacement or patch.replacement is None:
-        patch.original = cls.__dict__.get("__call__")
-        patch.replacement = block_call(cls.__call__)
-        cls.__call__ = patch.replacement
-    patch.models += 1
-
-    def restore():
-        patch.models -= 1
-        if patch.models == 0:
-            _patched.pop(key)
-            if cls.__dict__.get("__call__") is patch.replacement:
-                if patch.original is None:
-                    del cls.__call__
-                else:
-                    cls.__call__ = patch.original
-
-    return restore
-
-
 def use_packed_mixers(model):
     """fastft's packed ops in every supported mixer of ``model`` (after ``check_packing``); returns the model.
     Recorded once per model; ``revert`` restores transformers' functions once no model uses fastft's."""
@@ -439,7 +426,7 @@ def use_packed_mixers(model):
     hooks = [stack.register_forward_pre_hook(_prepare_mixers, with_kwargs=True)]
     if _stack_supported(inner, stack):  # its causal LM and the stack hand on no boundaries: fastft does
         block = getattr(sys.modules[type(stack).__module__], STACKS[type(stack).__name__][0])
-        restores.append(_replace_call(block))
+        restores.append(_replace(block, "__call__", block_call))
         hooks += _hold(inner, _hold_boundaries, CALL_KWARGS) + _hold(stack, _hold_info, STACK_INFO)
 
     def undo():
