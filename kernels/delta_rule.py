@@ -425,9 +425,10 @@ def _intra_backward_kernel(
     dcd = tl.load(dcd_ptr + chunk)
     dcum += tl.where(oc == C - 1, tl.sum(kdd, 0) + dcd * tl.exp(last), 0.0)
     tl.store(dbeta_ptr + chunk * C + oc, dbeta, mask=mc)
-    # cum = cumsum(g) along the chunk: dg_j = sum_{i >= j} dcum_i
+    # cum = cumsum(g) along the chunk: dg_j = sum_{i >= j} dcum_i, summed as such (a total less a cumulative sum
+    # would lose a small suffix to the total's rounding)
     dcum = tl.where(mc, dcum, 0.0)
-    tl.store(dg_ptr + chunk * C + oc, tl.sum(dcum, 0) - tl.cumsum(dcum, 0) + dcum, mask=mc)
+    tl.store(dg_ptr + chunk * C + oc, tl.cumsum(dcum, 0, reverse=True), mask=mc)
 
 
 def intra_backward(

@@ -207,6 +207,20 @@ def _to_end(a, oc, C):
 
 
 @triton.jit
+def _exclusive_combine(s1, x1, s2, x2):
+    return s1 + x1 + s2, x2
+
+
+@triton.jit
+def _sum_before(v, axis: tl.constexpr):
+    """``v_0 + ... + v_{k-1}`` at k along ``axis`` (0 at k = 0), summed as such: a cumulative sum less ``v_k``
+    would lose a small sum beside a large ``v_k`` to ``v_k``'s rounding. A scan of (the sum before the last
+    element, the last element)."""
+    before, _ = tl.associative_scan((tl.zeros_like(v), v), axis, _exclusive_combine)
+    return before
+
+
+@triton.jit
 def _tf32_high(v):
     """v cut to TF32 (its sign, exponent and top 10 mantissa bits): ``v - _tf32_high(v)`` is exact in fp32."""
     return (v.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
@@ -423,10 +437,9 @@ def _intra_backward_dx_kernel(
             dto_end += e_end * tl.sum(x * b_dl, 1)
         # da_k: to_end_j holds a_k for j < k; the chunk's decay and cum_i (the output's share from the entering
         # state, dcum) every a_k with k <= i.
-        da = tl.cumsum(dto_end, 0) - dto_end
+        da = _sum_before(dto_end, 0)
         da += tl.load(ddecay_ptr + hc) * tl.exp(tl.sum(a, 0))
-        dcum = tl.load(dcum_ptr + hc * C + oc, mask=mc, other=0.0)
-        da += tl.sum(dcum, 0) - tl.cumsum(dcum, 0) + dcum
+        da += tl.cumsum(tl.load(dcum_ptr + hc * C + oc, mask=mc, other=0.0), 0, reverse=True)
         tl.store(da_ptr + hc * C + oc, da, mask=mc)
 
 
@@ -478,7 +491,7 @@ def _intra_backward_dcb_kernel(
         dcb += dscores * decays
         dseg = dscores * (cb * decays)
         # da_k: seg[i, j] holds a_k for j < k <= i
-        before = tl.cumsum(dseg, 1) - dseg  # [i, k]: the sum of dseg[i, j] over j < k
+        before = _sum_before(dseg, 1)  # [i, k]: the sum of dseg[i, j] over j < k
         da = tl.load(da_ptr + hc * C + oc, mask=mc, other=0.0) + tl.sum(tl.where(lower, before, 0.0), 0)
         tl.store(da_ptr + hc * C + oc, da, mask=mc)
     tl.store(dcb_ptr + pid * BC * BC + oc[:, None] * BC + oc[None, :], dcb)

@@ -408,6 +408,29 @@ def test_intra_forward_matches_torch(device, rng, h, nc, c, dk, dv):
         assert_close_to(a, e, name)
 
 
+def test_intra_backward_keeps_small_decay_gradients_beside_a_large_one(device, rng):
+    """dg_j sums the gradients of cum over the tokens from j on: with the first token's a thousand times the
+    others', the later tokens' dg stay as accurate as their own size says (a total less a cumulative sum loses
+    them to the total's rounding). One chunk of 16, the kernel against autograd of the torch formulas in fp64."""
+    k, v, beta, decay = intra_inputs(rng, 2, 1, 16, 8, 12, device)
+    t, w, u, kd, cd, cum = intra_forward_op(k, v, beta, decay)
+    grads = [torch.randn(x.shape, generator=rng).to(device) for x in (u, w, kd, cd, k, cum)]
+    grads[-1][..., 0] *= 1e3
+    dg = intra_backward_op(k, v, beta, cum, t, u, w, *grads)[3]
+    k, v, beta, decay = (x.double().cpu() for x in (k, v, beta, decay))
+    decay.requires_grad_()
+    cum = decay.cumsum(-1)
+    strict = torch.ones(16, 16, dtype=torch.bool).tril(-1)
+    lower = (k * beta[..., None]) @ k.transpose(-1, -2) * (cum[..., :, None] - cum[..., None, :]).exp() * strict
+    eye = torch.eye(16, dtype=torch.float64).expand_as(lower)
+    t = torch.linalg.solve_triangular(eye + lower, eye, upper=False, unitriangular=True)
+    u, w = t @ (v * beta[..., None]), t @ (k * (beta * cum.exp())[..., None])
+    outs = (u, w, k * (cum[..., -1:] - cum).exp()[..., None], cum[..., -1].exp(), cum)
+    # grads[4] (dk_in) adds to dk alone
+    want = torch.autograd.grad(outs, decay, [g.double().cpu() for i, g in enumerate(grads) if i != 4])[0]
+    assert_close_to(dg[..., 1:].cpu(), want[..., 1:], "dg after the first token")
+
+
 @pytest.mark.parametrize("dk, dv, c", [(40, 72, 16), (64, 32, 64), (8, 136, 16)])
 def test_widths_past_one_block_of_columns(device, rng, dk, dv, c):
     """The intra-chunk backward takes the head dimension 32 columns at a time: widths of several blocks, one cut

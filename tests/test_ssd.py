@@ -341,6 +341,23 @@ def test_intra_backward_matches_autograd(device, rng, h, groups, nc, c, p, n, sl
         assert_close_to(u, e, name)
 
 
+def test_intra_backward_keeps_a_small_log_decay_gradient_beside_a_large_token(device, rng):
+    """da_k sums terms of the tokens before k (and of the pairs across k): a token whose own terms are a thousand
+    times the others' leaves its da as accurate as any other (a sum before k formed as a cumulative sum less the
+    k-th term loses the small sum to the large term's rounding). One chunk of 16, its last token large, against
+    autograd in fp64."""
+    from fastft.kernels import ssd as kernels
+
+    x, a, b, cm = intra_inputs(rng, 2, 1, 1, 16, 4, 8, device)
+    x[:, :, -1] *= 1e3
+    inputs = [v.double().cpu().requires_grad_() for v in (x, a, b, cm)]
+    outs = (*intra_torch(*inputs), inputs[1].cumsum(-1))
+    grads = [torch.randn(v.shape, generator=rng, dtype=torch.float64) for v in outs]
+    want = torch.autograd.grad(outs, inputs, grads)[1]
+    da = kernels.intra_backward(x, a, b, cm, *(g.float().to(device) for g in grads))[3]
+    assert_close_to(da.cpu(), want, "da")
+
+
 @pytest.mark.parametrize("h, groups, nc, c, p, n, slices", [INTRA_SHAPES[0], INTRA_SHAPES[2], INTRA_SHAPES[3]])
 def test_kernels_with_b_and_c_exact_in_tf32(device, rng, h, groups, nc, c, p, n, slices):
     """B and C rounded to bf16 (as the op's 16-bit inputs reach the kernels): with ``bc_exact`` their products
