@@ -174,7 +174,8 @@ def _chunked(u, delta, A, B, C, table: ChunkTable) -> torch.Tensor:
     for j in range(c):
         local = decays[j] * local + inputs[j]
     decay = torch.exp(A * delta.sum(0)[..., None])
-    h = scan_states(local.view(1, num_chunks, -1), decay.view(1, num_chunks, -1), table.first).view(local.shape)
+    # reshape: products with A take A's layout, which may be transposed
+    h = scan_states(local.reshape(1, num_chunks, -1), decay.reshape(1, num_chunks, -1), table.first).view(local.shape)
     out = []
     for j in range(c):
         h = decays[j] * h + inputs[j]

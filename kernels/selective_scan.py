@@ -440,9 +440,11 @@ def _check_inputs(u, delta=None, z=None):
             raise ValueError(f"{name} must be u's shape {tuple(u.shape)}, got {tuple(v.shape)}")
 
 
-def _check_vector(name, v, dm):
+def _vector(name, v, dm):
+    """v ``[Dm]`` contiguous (the kernels step through it one element at a time), or None."""
     if v is not None and v.shape != (dm,):
         raise ValueError(f"{name} must be [Dm] = {(dm,)}, got {tuple(v.shape)}")
+    return None if v is None else v.contiguous()
 
 
 def _check_flat(name, v, nt, dm):
@@ -455,7 +457,7 @@ def tokens_forward(u, delta, bias=None, softplus=False):
     token, for u, delta ``[B, Dm, T]`` in any float dtype and strides, bias ``[Dm]`` or None."""
     _check_inputs(u, delta)
     b, dm, t = u.shape
-    _check_vector("bias", bias, dm)
+    bias = _vector("bias", bias, dm)
     x = torch.empty(b * t, dm, dtype=torch.float32, device=u.device)
     step = torch.empty_like(x)
     if x.numel() == 0:
@@ -471,7 +473,7 @@ def output_forward(y, x, D=None, z=None, *, dtype):
     ``[B * T, Dm]`` contiguous, D ``[Dm]`` or None, z ``[B, Dm, T]`` (any strides) or None."""
     nt, dm = x.shape
     _check_flat("y", y, nt, dm)
-    _check_vector("D", D, dm)
+    D = _vector("D", D, dm)
     if z is not None:
         _check_inputs(z)
         if z.shape[0] * z.shape[2] != nt or z.shape[1] != dm:
@@ -492,7 +494,7 @@ def output_backward(dout, y, x, D, z, t):
     scan's output, read only with z); T the tokens per row. Without D or z their gradients are empty."""
     nt, dm = x.shape
     _check_flat("dout", dout, nt, dm)
-    _check_vector("D", D, dm)
+    D = _vector("D", D, dm)
     if z is not None:
         if y is None:
             raise ValueError("y must be given with z (z's gradient reads the output before the gate)")
@@ -518,8 +520,8 @@ def tokens_backward(du, ddelta, dys, D, delta, bias=None, softplus=False, *, u_d
     b, dm, t = delta.shape
     _check_flat("du", du, b * t, dm)
     _check_flat("ddelta", ddelta, b * t, dm)
-    _check_vector("D", D, dm)
-    _check_vector("bias", bias, dm)
+    D = _vector("D", D, dm)
+    bias = _vector("bias", bias, dm)
     du_out = torch.empty(b, dm, t, dtype=u_dtype, device=du.device)
     ddelta_out = torch.empty(b, dm, t, dtype=delta.dtype, device=du.device)
     grid = _glue_grid(b * t, dm)

@@ -102,6 +102,29 @@ def test_rows_and_no_options(device, rng, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_inputs(device, rng, backend):
+    """Every input a strided view (A, B and C transposed in memory, u and delta every other element of a wider
+    tensor): the same result as the contiguous inputs, forward and every gradient, against the reference."""
+    info = fastft.packed_seq_info(seq_lengths=[4, 6], device=device)
+    inputs = random_inputs(rng, 1, 3, 10, 2, device)
+
+    def strided(v):
+        if v.dim() < 2:
+            return v.detach().repeat_interleave(2)[::2].requires_grad_()
+        if v.shape[-1] == 10:  # [B, Dm or N, T]: every other of twice the tokens
+            return v.detach().repeat_interleave(2, -1)[..., ::2].requires_grad_()
+        return v.detach().t().contiguous().t().requires_grad_()  # A [Dm, N], column-major
+
+    views = [strided(v) for v in inputs]
+    assert not any(v.is_contiguous() for v in views[:5])
+    check_against_reference(info, views, 4, backend)
+    views[3], views[4] = (
+        v.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_() for v in inputs[3:5]
+    )
+    check_against_reference(info, views, 4, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_documents_do_not_leak(device, rng, backend):
     """A document's output is the same whatever precedes it in the row."""
     u, delta, A, B, C, D, z, bias = random_inputs(rng, 1, 4, 14, 3, device)
