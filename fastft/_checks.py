@@ -7,6 +7,7 @@ import math
 import numbers
 
 import numpy as np
+import torch
 
 
 def is_int(value) -> bool:
@@ -44,3 +45,16 @@ def finite_arg(name: str, value) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
+
+
+def float_tensor_arg(name: str, value, device, first: str, shape=None, what: str | None = None) -> None:
+    """``TypeError`` unless ``value`` is a tensor; ``ValueError`` unless it is floating, on ``device`` (that of
+    the op's first argument, named ``first``) and, where ``shape`` is given, of that shape (``what`` spells it)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
+    if not value.dtype.is_floating_point:
+        raise ValueError(f"{name} must have a floating dtype, got {value.dtype}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but {first} is on {device}")
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name} must be {what} = {tuple(shape)}, got {tuple(value.shape)}")

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from . import autotune, dispatch
-from ._checks import bool_arg, int_arg
+from ._checks import bool_arg, float_tensor_arg, int_arg
 from ._custom_op import custom_op
 from .delta_rule import MAX_CHUNK_SIZE, ChunkTable, chunk_table
 from .packing import PackedSeqInfo
@@ -64,34 +64,23 @@ autotune.register(
 )
 
 
-def _tensor(name, value, device, shape=None, what=None):
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
-    if not value.dtype.is_floating_point:
-        raise ValueError(f"{name} must have a floating dtype, got {value.dtype}")
-    if value.device != device:
-        raise ValueError(f"{name} is on {value.device} but u is on {device}")
-    if shape is not None and tuple(value.shape) != tuple(shape):
-        raise ValueError(f"{name} must be {what} = {tuple(shape)}, got {tuple(value.shape)}")
-
-
 def _check(u, delta, A, B, C, info, D, z, delta_bias, delta_softplus, chunk_size, backend):
     """Every argument check; returns (chunk_size, the backend)."""
-    _tensor("u", u, getattr(u, "device", None))
+    float_tensor_arg("u", u, getattr(u, "device", None), "u")
     if u.dim() != 3 or u.shape[1] == 0:
         raise ValueError(f"u must be [B, Dm, T] with Dm >= 1, got shape {tuple(u.shape)}")
     b, dm, t = u.shape
-    _tensor("delta", delta, u.device, u.shape, "u's shape [B, Dm, T]")
-    _tensor("A", A, u.device)
+    float_tensor_arg("delta", delta, u.device, "u", u.shape, "u's shape [B, Dm, T]")
+    float_tensor_arg("A", A, u.device, "u")
     if A.dim() != 2 or A.shape[0] != dm or A.shape[1] == 0:
         raise ValueError(f"A must be [Dm, N] with Dm = {dm} and N >= 1, got {tuple(A.shape)}")
     for name, v in (("B", B), ("C", C)):
-        _tensor(name, v, u.device, (b, A.shape[1], t), "[B, N, T] with N = A.shape[1]")
+        float_tensor_arg(name, v, u.device, "u", (b, A.shape[1], t), "[B, N, T] with N = A.shape[1]")
     for name, v in (("D", D), ("delta_bias", delta_bias)):
         if v is not None:
-            _tensor(name, v, u.device, (dm,), "[Dm]")
+            float_tensor_arg(name, v, u.device, "u", (dm,), "[Dm]")
     if z is not None:
-        _tensor("z", z, u.device, u.shape, "u's shape [B, Dm, T]")
+        float_tensor_arg("z", z, u.device, "u", u.shape, "u's shape [B, Dm, T]")
     bool_arg("delta_softplus", delta_softplus)
     if not isinstance(info, PackedSeqInfo):
         raise TypeError(f"info must be a fastft.PackedSeqInfo, got {type(info).__name__}")

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import autotune, dispatch
-from ._checks import bool_arg, int_arg, number_arg
+from ._checks import bool_arg, float_tensor_arg, int_arg, number_arg
 from ._custom_op import custom_op
 from .delta_rule import MAX_CHUNK_SIZE, ChunkTable, chunk_table
 from .packing import PackedSeqInfo
@@ -65,39 +65,28 @@ for _op in (OP_SCAN, OP_SCAN_BACKWARD):
     )
 
 
-def _tensor(name, value, device, shape=None, what=None):
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
-    if not value.dtype.is_floating_point:
-        raise ValueError(f"{name} must have a floating dtype, got {value.dtype}")
-    if value.device != device:
-        raise ValueError(f"{name} is on {value.device} but x is on {device}")
-    if shape is not None and tuple(value.shape) != tuple(shape):
-        raise ValueError(f"{name} must be {what} = {tuple(shape)}, got {tuple(value.shape)}")
-
-
 def _check(x, dt, A, B, C, info, D, dt_bias, dt_softplus, dt_limit, z, chunk_size, backend):
     """Every argument check; returns (dt_limit as floats, chunk_size, the backend of the scan over chunks)."""
-    _tensor("x", x, getattr(x, "device", None))
+    float_tensor_arg("x", x, getattr(x, "device", None), "x")
     if x.dim() != 4 or 0 in x.shape[2:]:
         raise ValueError(f"x must be [B, T, H, P] with H, P >= 1, got shape {tuple(x.shape)}")
     b, t, h, p = x.shape
-    _tensor("dt", dt, x.device, (b, t, h), "[B, T, H]")
-    _tensor("A", A, x.device, (h,), "[H]")
-    _tensor("B", B, x.device)
+    float_tensor_arg("dt", dt, x.device, "x", (b, t, h), "[B, T, H]")
+    float_tensor_arg("A", A, x.device, "x", (h,), "[H]")
+    float_tensor_arg("B", B, x.device, "x")
     if B.dim() != 4 or B.shape[:2] != x.shape[:2] or 0 in B.shape[2:] or h % B.shape[2]:
         raise ValueError(
             f"B must be [B, T, G, N] with x's [B, T] = {(b, t)}, N >= 1 and G dividing H = {h}, got {tuple(B.shape)}"
         )
-    _tensor("C", C, x.device, B.shape, "B's shape [B, T, G, N]")
+    float_tensor_arg("C", C, x.device, "x", B.shape, "B's shape [B, T, G, N]")
     if D is not None:
-        _tensor("D", D, x.device)
+        float_tensor_arg("D", D, x.device, "x")
         if tuple(D.shape) not in ((h,), (h, p)):
             raise ValueError(f"D must be [H] = {(h,)} or [H, P] = {(h, p)}, got {tuple(D.shape)}")
     if dt_bias is not None:
-        _tensor("dt_bias", dt_bias, x.device, (h,), "[H]")
+        float_tensor_arg("dt_bias", dt_bias, x.device, "x", (h,), "[H]")
     if z is not None:
-        _tensor("z", z, x.device, x.shape, "x's shape [B, T, H, P]")
+        float_tensor_arg("z", z, x.device, "x", x.shape, "x's shape [B, T, H, P]")
     bool_arg("dt_softplus", dt_softplus)
     if not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2:
         raise TypeError(f"dt_limit must be a (low, high) pair of numbers, got {dt_limit!r}")
