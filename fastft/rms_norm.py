@@ -2,12 +2,15 @@
 
     out = fastft.rms_norm(hidden, norm.weight, norm.variance_epsilon)               # Llama, Qwen3
     out = fastft.rms_norm(hidden, norm.weight, norm.eps, offset=1.0)               # Gemma, Qwen3-Next: 1 + w
+    out = fastft.rms_norm(core, norm.weight, norm.variance_epsilon, gate=z)        # Qwen3.5's gated norm
+    out = fastft.rms_norm(y, norm.weight, norm.variance_epsilon, gate=z, gate_first=True)  # Mamba-2's
 
 transformers' RMSNorm modules spell it in torch: an fp32 copy of ``x``, its square, the mean, ``rsqrt``, two
 products and two casts, each a kernel reading and writing ``[tokens, H]`` (in fp32 for most), and autograd keeps
 several of them for the backward. Here the forward reads ``x`` once and writes the output and one fp32 number
 a row; the backward reads ``x``, the output's gradient and those numbers and writes ``x``'s gradient, the
-weight's summed per program and then in a fixed order. ``fastft/reference/rms_norm.py`` is the specification.
+weight's summed per program and then in a fixed order. A gate is read with ``x`` and its gradient written with
+``x``'s. ``fastft/reference/rms_norm.py`` is the specification.
 Backends: ``triton`` (rows of at most ``MAX_WIDTH``; wider rows take the torch path) and ``torch`` (the
 reference, its gradient written out). No GPU sync.
 """
@@ -15,11 +18,12 @@ reference, its gradient written out). No GPU sync.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
 from . import autotune, dispatch
-from ._checks import finite_arg
+from ._checks import bool_arg, finite_arg
 from ._custom_op import custom_op
 from .reference import rms_norm as reference
 
@@ -53,19 +57,29 @@ def _programs(device: torch.device) -> int:
 
 @custom_op("fastft::rms_norm")
 def rms_norm_op(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, backend: str
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    gate: Optional[torch.Tensor],  # noqa: UP045  (torch.library.custom_op reads it: Optional spelled out)
+    eps: float,
+    offset: float,
+    gate_first: bool,
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The output ``[R, H]`` in ``x.dtype`` and each row's fp32 ``r`` ``[R]`` of ``x`` ``[R, H]`` (unit column
-    stride) and ``weight`` ``[H]`` (contiguous)."""
+    stride), ``weight`` ``[H]`` (contiguous) and ``gate`` (x's shape, unit column stride, or None)."""
     if backend == "torch" or x.shape[1] > MAX_WIDTH:
-        return reference.rms_norm(x, weight, eps, offset), reference.rms_norm_rstd(x, eps)
+        return (
+            reference.rms_norm(x, weight, eps, offset, gate, gate_first),
+            reference.rms_norm_rstd(x, eps, gate, gate_first),
+        )
     from .kernels import rms_norm as kernels
 
-    return kernels.rms_norm_forward(x, weight, eps, offset, **autotune.params(OP_RMS_NORM, x.device, x.shape[1]))
+    params = autotune.params(OP_RMS_NORM, x.device, x.shape[1])
+    return kernels.rms_norm_forward(x, weight, eps, offset, gate, gate_first, **params)
 
 
 @rms_norm_op.register_fake
-def _(x, weight, eps, offset, backend):
+def _(x, weight, gate, eps, offset, gate_first, backend):
     return x.new_empty(x.shape), x.new_empty(x.shape[0], dtype=torch.float32)
 
 
@@ -74,42 +88,49 @@ def rms_norm_backward_op(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
+    gate: Optional[torch.Tensor],  # noqa: UP045
     rstd: torch.Tensor,
     offset: float,
+    gate_first: bool,
     grad_weight: bool,
     backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x``'s gradient (its dtype) and, with ``grad_weight``, ``weight``'s (its dtype; else an empty tensor)
-    from the output's ``dy`` ``[R, H]`` (unit column stride)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x``'s gradient (its dtype), with ``grad_weight`` ``weight``'s (its dtype; else an empty tensor) and the
+    gate's (its dtype; an empty tensor without one) from the output's ``dy`` ``[R, H]`` (unit column stride)."""
     if backend == "torch" or x.shape[1] > MAX_WIDTH:
-        dx, dw = reference.rms_norm_backward(dy, x, weight, rstd, offset)
+        dx, dw, dz = reference.rms_norm_backward(dy, x, weight, rstd, offset, gate, gate_first)
     else:
         from .kernels import rms_norm as kernels
 
         params = autotune.params(OP_RMS_NORM_BACKWARD, x.device, x.shape[1])
-        dx, dw = kernels.rms_norm_backward(
-            dy, x, weight, rstd, offset, grad_weight, programs=_programs(x.device), stages=STAGES, **params
-        )
-    return dx, dw.to(weight.dtype) if grad_weight else weight.new_empty(0)
+        dx, dw, dz = kernels.rms_norm_backward(
+            dy, x, weight, rstd, offset, grad_weight, gate, gate_first,
+            programs=_programs(x.device), stages=STAGES, **params,
+        )  # fmt: skip
+    dw = dw.to(weight.dtype) if grad_weight else weight.new_empty(0)
+    return dx, dw, x.new_empty(0) if dz is None else dz
 
 
 @rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, offset, grad_weight, backend):
-    return x.new_empty(x.shape), weight.new_empty(weight.shape if grad_weight else (0,))
+def _(dy, x, weight, gate, rstd, offset, gate_first, grad_weight, backend):
+    dz = x.new_empty(0) if gate is None else gate.new_empty(gate.shape)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape if grad_weight else (0,)), dz
 
 
 def _setup(ctx, inputs, output):
-    x, weight, eps, offset, backend = inputs
-    ctx.args = (offset, backend)
+    x, weight, gate, eps, offset, gate_first, backend = inputs
+    ctx.args = (offset, gate_first, backend)
     ctx.grad_weight = ctx.needs_input_grad[1]
-    ctx.save_for_backward(x, weight, output[1])
+    ctx.save_for_backward(x, weight, gate, output[1])
 
 
 def _backward(ctx, grad, _grad_rstd):
-    x, weight, rstd = ctx.saved_tensors
-    offset, backend = ctx.args
-    dx, dw = rms_norm_backward_op.op(grad.contiguous(), x, weight, rstd, offset, ctx.grad_weight, backend)
-    return dx, (dw if ctx.grad_weight else None), None, None, None
+    x, weight, gate, rstd = ctx.saved_tensors
+    offset, gate_first, backend = ctx.args
+    dx, dw, dz = rms_norm_backward_op.op(
+        grad.contiguous(), x, weight, gate, rstd, offset, gate_first, ctx.grad_weight, backend
+    )
+    return dx, (dw if ctx.grad_weight else None), (dz if gate is not None else None), None, None, None, None
 
 
 rms_norm_op.register_autograd(_backward, setup_context=_setup)
@@ -119,21 +140,32 @@ rms_norm_op.register_autograd(_backward, setup_context=_setup)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, offset: float = 0.0, backend: str | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    gate: torch.Tensor | None = None,
+    gate_first: bool = False,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """``x * rsqrt(mean(x^2) + eps) * (weight + offset)`` over ``x``'s last dim, computed in fp32 and returned
-    in ``x``'s dtype (see the module docstring).
+    in ``x``'s dtype (see the module docstring); with ``gate``, times ``silu(gate)`` or, with ``gate_first``,
+    of ``x * silu(gate)`` (the gated norms of Qwen3.5's and Mamba-2's mixers).
 
     ``x``: ``[..., H]`` fp32, bf16 or fp16, any strides; ``weight``: ``[H]`` in any of these dtypes, on ``x``'s
-    device. Differentiable in ``x`` and ``weight`` (whose gradient, summed over the rows in fp32, is returned
-    in its dtype). ``offset``: 1 for norms that scale by ``1 + weight`` (Gemma, Qwen3-Next). ``backend``:
-    ``auto``, ``triton`` or ``torch`` (default ``FASTFT_BACKEND``). No GPU sync.
+    device; ``gate``: x's shape, any of these dtypes, or None. Differentiable in ``x``, ``weight`` (whose
+    gradient, summed over the rows in fp32, is returned in its dtype) and ``gate``. ``offset``: 1 for norms
+    that scale by ``1 + weight`` (Gemma, Qwen3-Next). ``backend``: ``auto``, ``triton`` or ``torch`` (default
+    ``FASTFT_BACKEND``). No GPU sync.
 
     Raises ``TypeError`` for non-tensors, dtypes other than these, an ``eps`` or ``offset`` that is not a
-    number; ``ValueError`` for a 0-d ``x``, a ``weight`` that is not ``[H]``, tensors on different devices, an
-    ``eps`` that is negative or not finite, a non-finite ``offset``, an unknown backend.
+    number, a ``gate_first`` that is not a bool; ``ValueError`` for a 0-d ``x``, a ``weight`` that is not
+    ``[H]``, a ``gate`` not of x's shape, tensors on different devices, an ``eps`` that is negative or not
+    finite, a non-finite ``offset``, ``gate_first`` without a gate, an unknown backend.
     """
-    for name, t in (("x", x), ("weight", weight)):
+    named = (("x", x), ("weight", weight)) + ((("gate", gate),) if gate is not None else ())
+    for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if t.dtype not in _DTYPES:
@@ -142,18 +174,29 @@ def rms_norm(
         raise ValueError("x must be [..., H], got a 0-d tensor")
     if tuple(weight.shape) != (x.shape[-1],):
         raise ValueError(f"weight must be [H] = [{x.shape[-1]}] (x's last dim), got {tuple(weight.shape)}")
-    if weight.device != x.device:
-        raise ValueError(f"weight must be on x's device {x.device}, got {weight.device}")
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+    for name, t in named[1:]:
+        if t.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
     eps = finite_arg("eps", eps)
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     offset = finite_arg("offset", offset)
+    gate_first = bool_arg("gate_first", gate_first)
+    if gate_first and gate is None:
+        raise ValueError("gate_first=True gates the input before the norm: give gate")
     chosen = dispatch.backend_for(OP_RMS_NORM, x.device, backend)
     width = x.shape[-1]
     if x.numel() == 0:
-        return reference.rms_norm(x, weight, eps, offset)
-    rows = x.reshape(-1, width)
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
-    out, _ = rms_norm_op(rows, weight.contiguous(), eps, offset, chosen)
+        return reference.rms_norm(x, weight, eps, offset, gate, gate_first)
+    rows = _rows(x, width)
+    gate_rows = None if gate is None else _rows(gate, width)
+    out, _ = rms_norm_op(rows, weight.contiguous(), gate_rows, eps, offset, gate_first, chosen)
     return out.view(x.shape)
+
+
+def _rows(v: torch.Tensor, width: int) -> torch.Tensor:
+    """``v`` as ``[R, H]`` rows with a unit column stride (a view where it can be)."""
+    rows = v.reshape(-1, width)
+    return rows if rows.stride(1) == 1 else rows.contiguous()

@@ -372,21 +372,28 @@ def check_conv(g: torch.Generator, device, max_tokens: int) -> None:
 
 def check_rms_norm(g: torch.Generator, device, max_tokens: int) -> None:
     """``fastft.rms_norm`` on the dispatched backend against ``fastft.reference.rms_norm`` on random rows,
-    widths, offsets and eps: the output and x's gradient fp32 within 1e-5; the weight's (a sum over the rows)
-    within 1e-4 of its largest value."""
+    widths, offsets, eps and gates (none, after the norm, before it): the output and x's and the gate's gradients
+    fp32 within 1e-5; the weight's (a sum over the rows) within 1e-4 of its largest value."""
     from fastft.reference import rms_norm as reference
 
     rows, width = randint(g, 1, max_tokens), randint(g, 1, 300)
     x = (torch.randn(rows, width, generator=g) * 2).to(device).requires_grad_()
     w = torch.randn(width, generator=g).to(device).requires_grad_()
     kw = dict(eps=(1e-6, 1e-5, 0.0)[randint(g, 0, 2)], offset=(0.0, 1.0)[randint(g, 0, 1)])
+    gated = randint(g, 0, 2)
+    z = (torch.randn(rows, width, generator=g) * 2).to(device).requires_grad_()
+    if gated:
+        kw.update(gate=z, gate_first=gated == 2)
     grad = torch.randn(rows, width, generator=g).to(device)
     out = fastft.rms_norm(x, w, **kw)
     expected = reference.rms_norm(x, w, **kw)
-    got = (out, *torch.autograd.grad(out, (x, w), grad))
-    want = (expected, *torch.autograd.grad(expected, (x, w), grad))
-    for name, a, b in zip(("out", "dx"), got, want):
-        assert_same(a, b, atol=1e-5, rtol=1e-5, path=f"rms_norm {name} ({rows} x {width}, {kw})")
+    leaves = (x, w, z) if gated else (x, w)
+    got = (out, *torch.autograd.grad(out, leaves, grad))
+    want = (expected, *torch.autograd.grad(expected, leaves, grad))
+    kw.pop("gate", None)
+    for name, a, b in zip(("out", "dx", "", "dgate"), got, want):
+        if name:
+            assert_same(a, b, atol=1e-5, rtol=1e-5, path=f"rms_norm {name} ({rows} x {width}, {kw})")
     scale = max(1.0, want[2].abs().max().item())
     assert_same(got[2], want[2], atol=1e-4 * scale, rtol=1e-5, path=f"rms_norm dweight ({rows} x {width}, {kw})")
 

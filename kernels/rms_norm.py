@@ -4,8 +4,9 @@ Tiles of whole rows (``BLOCK_H``, a power of two at least the width) by ``BLOCK_
 each row once and writes the output and the row's fp32 ``r``. The backward reads ``x``, the output's gradient
 and ``r`` once and writes ``x``'s gradient; where the weight's gradient is asked, each program walks a run of
 tiles (software-pipelined), summing it in fp32 registers, and writes one row of partial sums ``[programs, H]``
-that the caller adds up (a fixed order: the same bits on every run). Launch wrappers take explicit launch
-parameters; choosing them is fastft.rms_norm's job. Row offsets are int64.
+that the caller adds up (a fixed order: the same bits on every run). With a gate z (``GATE`` 1: ``silu(z)``
+scales the output, 2: the input), z is read with x and its gradient written with x's. Launch wrappers take
+explicit launch parameters; choosing them is fastft.rms_norm's job. Row offsets are int64.
 """
 
 from __future__ import annotations
@@ -20,15 +21,18 @@ from ._launch import cdiv, launch, next_power_of_2
 @triton.jit(do_not_specialize=["rows"])
 def _rms_norm_forward_kernel(
     x_ptr,
+    z_ptr,
     w_ptr,
     out_ptr,
     rstd_ptr,
     rows,
     width,
     stride_x,
+    stride_z,
     stride_out,
     eps,
     offset,
+    GATE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -36,9 +40,16 @@ def _rms_norm_forward_kernel(
     c = tl.arange(0, BLOCK_H)
     mask = (r < rows)[:, None] & (c < width)[None, :]
     x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATE:
+        z = tl.load(z_ptr + r[:, None] * stride_z + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = z * tl.sigmoid(z)
+        if GATE == 2:
+            x = x * s
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / width + eps)
     w = tl.load(w_ptr + c, mask=c < width, other=0.0).to(tl.float32) + offset
     y = x * rstd[:, None] * w[None, :]
+    if GATE == 1:
+        y = y * s
     tl.store(out_ptr + r[:, None] * stride_out + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + r, rstd, mask=r < rows)
 
@@ -47,18 +58,23 @@ def _rms_norm_forward_kernel(
 def _rms_norm_backward_kernel(
     dy_ptr,
     x_ptr,
+    z_ptr,
     w_ptr,
     rstd_ptr,
     dx_ptr,
+    dz_ptr,
     dw_ptr,
     rows,
     width,
     stride_dy,
     stride_x,
+    stride_z,
     stride_dx,
+    stride_dz,
     offset,
     tiles_per_program,
     DW: tl.constexpr,
+    GATE: tl.constexpr,
     STAGES: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -73,13 +89,32 @@ def _rms_norm_backward_kernel(
         x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + r[:, None] * stride_dy + c[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + r, mask=r < rows, other=0.0)
-        n = x * rstd[:, None]
-        g = dy * w[None, :]
+        u = x
+        e = dy  # the output's gradient before a gate after the norm
+        if GATE:
+            z = tl.load(z_ptr + r[:, None] * stride_z + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(z)
+            s = z * sig
+            ds = sig * (1.0 + z * (1.0 - sig))
+            if GATE == 1:
+                e = dy * s
+            else:
+                u = x * s
+        n = u * rstd[:, None]
+        g = e * w[None, :]
         m = tl.sum(g * n, axis=1) / width
-        dx = rstd[:, None] * (g - n * m[:, None])
+        du = rstd[:, None] * (g - n * m[:, None])
+        dx = du
+        if GATE == 1:
+            dz = dy * n * w[None, :] * ds
+        if GATE == 2:
+            dx = du * s
+            dz = du * x * ds
+        if GATE:
+            tl.store(dz_ptr + r[:, None] * stride_dz + c[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
         tl.store(dx_ptr + r[:, None] * stride_dx + c[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if DW:
-            acc += tl.sum(dy * n, axis=0)
+            acc += tl.sum(e * n, axis=0)
     if DW:
         tl.store(dw_ptr + pid.to(tl.int64) * width + c, acc, mask=c < width)
 
@@ -89,11 +124,24 @@ def _blocks(width: int, TILE: int) -> tuple[int, int]:
     return max(1, TILE // block_h), block_h
 
 
+def _gate(gate: torch.Tensor | None, gate_first: bool) -> int:
+    return 0 if gate is None else 2 if gate_first else 1
+
+
 def rms_norm_forward(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, *, TILE: int, num_warps: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    gate: torch.Tensor | None = None,
+    gate_first: bool = False,
+    *,
+    TILE: int,
+    num_warps: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The output ``[R, H]`` (``x``'s dtype) and each row's fp32 ``r`` ``[R]`` of ``x`` ``[R, H]`` (unit column
-    stride) and ``weight`` ``[H]`` (contiguous); tiles of about ``TILE`` elements."""
+    stride) and ``weight`` ``[H]`` (contiguous), gated by ``gate`` (x's shape, unit column stride, or None) as
+    ``fastft.reference.rms_norm`` says; tiles of about ``TILE`` elements."""
     rows, width = x.shape
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -103,15 +151,18 @@ def rms_norm_forward(
             _rms_norm_forward_kernel,
             (cdiv(rows, block_r),),
             x,
+            x if gate is None else gate,
             weight,
             out,
             rstd,
             rows,
             width,
             x.stride(0),
+            0 if gate is None else gate.stride(0),
             out.stride(0),
             eps,
             offset,
+            GATE=_gate(gate, gate_first),
             BLOCK_R=block_r,
             BLOCK_H=block_h,
             num_warps=num_warps,
@@ -126,18 +177,21 @@ def rms_norm_backward(
     rstd: torch.Tensor,
     offset: float,
     grad_weight: bool,
+    gate: torch.Tensor | None = None,
+    gate_first: bool = False,
     *,
     programs: int,
     stages: int,
     TILE: int,
     num_warps: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x``'s gradient (its dtype) and, with ``grad_weight``, ``weight``'s in fp32 (else an empty tensor), from
-    the output's ``dy`` ``[R, H]`` (unit column stride); with ``grad_weight`` at most ``programs`` programs,
-    each summing its rows' share of ``weight``'s gradient, their loads ``stages - 1`` tiles ahead (without, a
-    program a tile)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x``'s gradient (its dtype), with ``grad_weight`` ``weight``'s in fp32 (else an empty tensor), and the
+    gate's (its dtype; None without one), from the output's ``dy`` ``[R, H]`` (unit column stride); with
+    ``grad_weight`` at most ``programs`` programs, each summing its rows' share of ``weight``'s gradient, their
+    loads ``stages - 1`` tiles ahead (without, a program a tile)."""
     rows, width = x.shape
     dx = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    dz = None if gate is None else torch.empty((rows, width), dtype=gate.dtype, device=x.device)
     block_r, block_h = _blocks(width, TILE)
     tiles = cdiv(rows, block_r)
     per = cdiv(tiles, max(1, min(programs, tiles))) if grad_weight else 1  # no sums to keep: a program a tile
@@ -149,23 +203,28 @@ def rms_norm_backward(
             (grid,),
             dy,
             x,
+            x if gate is None else gate,
             weight,
             rstd,
             dx,
+            dx if dz is None else dz,
             partial,
             rows,
             width,
             dy.stride(0),
             x.stride(0),
+            0 if gate is None else gate.stride(0),
             dx.stride(0),
+            0 if dz is None else dz.stride(0),
             offset,
             per,
             DW=grad_weight,
+            GATE=_gate(gate, gate_first),
             STAGES=stages,
             BLOCK_R=block_r,
             BLOCK_H=block_h,
             num_warps=num_warps,
         )
     if not grad_weight:
-        return dx, partial
-    return dx, partial.sum(0) if rows else torch.zeros(width, dtype=torch.float32, device=x.device)
+        return dx, partial, dz
+    return dx, partial.sum(0) if rows else torch.zeros(width, dtype=torch.float32, device=x.device), dz

@@ -1,12 +1,15 @@
 """fastft.integrations.transformers.norms: a model's RMSNorm layers through fastft.rms_norm in training forwards
-(tiny transformers models): each form fastft takes (Llama's, OLMo-2's, Gemma's 1 + weight) trains as the model's
-own, loss and every gradient; evaluation and generation untouched; a weight of another dtype, a norm of another
-form, another library's instance patch left on their own forward (apply says which); revert."""
+(tiny transformers models): each form fastft takes (Llama's, OLMo-2's, Gemma's 1 + weight, the gated norms of
+Qwen3.5's and Mamba-2's mixers) trains as the model's own, loss and every gradient; evaluation and
+generation untouched; a weight of another dtype, a norm of another form, another library's instance patch left on
+their own forward (apply says which); revert."""
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+
+from test_integrations_mixers import HYBRIDS, tiny  # noqa: E402
 
 import fastft.integrations.transformers as ft_hf  # noqa: E402
 from fastft.integrations.transformers import norms as ft_norms  # noqa: E402
@@ -111,3 +114,82 @@ def test_other_forms_and_instance_patches_are_left_and_named():
     assert patched.forward(torch.ones(1)) is not None and "forward" in model.model.layers[1].input_layernorm.__dict__
     ft_hf.revert(model)
     assert "forward" in patched.__dict__  # the other library's patch stays
+
+
+# family -> its gated norm class and the form fastft reads (eps attribute, offset, weight of x's dtype, gate first;
+# whether it normalises groups: from transformers 5.24 Mamba-2's do, one group here)
+GATED = {
+    "qwen3_5_text": ("Qwen3_5RMSNormGated", ("variance_epsilon", 0.0, False, False)),
+    "bamba": ("BambaRMSNormGated", ("variance_epsilon", 0.0, True, True)),
+    "granitemoehybrid": ("GraniteMoeHybridRMSNormGated", ("variance_epsilon", 0.0, True, True)),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(GATED))
+@pytest.mark.usefixtures("transformers_torch_delta_rule")
+def test_gated_norms_train_as_the_models_own(model_type, monkeypatch):
+    """The mixers' gated norms (``norm(x, gate)``) run fastft.rms_norm with the gate: loss and every gradient as
+    the model's own step; evaluation and generation untouched."""
+    name, form = GATED[model_type]
+
+    def build():
+        model = tiny(model_type, **HYBRIDS[model_type]).train()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for param_name, p in model.named_parameters():
+                if "norm" in param_name:
+                    p.normal_(0.5, 0.3)
+        return model
+
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    want = step(build(), ids)
+    model = build()
+    gated = [m for m in model.modules() if type(m).__name__ == name]
+    assert gated and all(ft_norms.gated_form(type(m))[:4] == form for m in gated)
+    calls = []
+    op = ft_norms.rms_norm
+    monkeypatch.setattr(ft_norms, "rms_norm", lambda *a, **k: calls.append(k) or op(*a, **k))
+    taken, left = ft_hf.use_rms_norm(model)
+    assert name not in left and all("forward" in m.__dict__ for m in gated)
+    got = step(model, ids)
+    gates = [k for k in calls if k["gate"] is not None]
+    assert len(gates) == len(gated) and {k["gate_first"] for k in gates} == {form[3]}
+    torch.testing.assert_close(got[0], want[0], **FP32)
+    assert got[1].keys() == want[1].keys()
+    for param_name in want[1]:
+        torch.testing.assert_close(got[1][param_name], want[1][param_name], **FP32, msg=param_name)
+    calls.clear()
+    model.eval()
+    with torch.no_grad():
+        stock = build().eval()
+        assert torch.equal(model(input_ids=ids).logits, stock(input_ids=ids).logits)
+    assert not calls
+
+
+def test_gated_norms_of_other_forms_or_calls_keep_their_own_forward():
+    """A gated norm called without a gate where its form needs one or with a gate of another shape: the class's
+    forward, and so one of transformers 5.24's grouped forms with two groups a row. Kimi's (a sigmoid gate) and
+    Nemotron-H's (two groups a row): left, and named."""
+    model = tiny("qwen3_5_text", **HYBRIDS["qwen3_5_text"]).train()
+    ft_hf.use_rms_norm(model)
+    norm = model.model.layers[0].linear_attn.norm
+    x, z = torch.randn(6, 8), torch.randn(6, 8)
+    assert torch.equal(norm(x, z[:1]), type(norm).forward(norm, x, z[:1]))  # a broadcast gate
+    with pytest.raises(TypeError):
+        norm(x)  # the form takes a gate: its own forward's error
+    granite = tiny("granitemoehybrid", **HYBRIDS["granitemoehybrid"]).train()
+    ft_hf.use_rms_norm(granite)
+    norm = granite.model.layers[0].mamba.norm
+    if ft_norms.gated_form(type(norm))[4]:  # transformers 5.24's groups: two groups a row are not fastft's math
+        x, z = torch.randn(6, norm.weight.shape[0]), torch.randn(6, norm.weight.shape[0])
+        norm.group_size = x.shape[-1] // 2
+        assert torch.equal(norm(x, z), type(norm).forward(norm, x, z))
+    nemotron = tiny("nemotron_h", **HYBRIDS["nemotron_h"]).train()  # two groups a row
+    left = ft_hf.use_rms_norm(nemotron)[1]
+    assert [name for name in left if name.endswith("RMSNormGated")], left
+    kimi = tiny("kimi_linear", **HYBRIDS["kimi_linear"]).train()  # its form, with a sigmoid gate
+    kimi_norms = [m for m in kimi.modules() if type(m).__name__ == "KimiLinearRMSNormGated"]
+    assert kimi_norms and all(
+        ft_norms.gated_form(type(m)) is not None and m.activation == "sigmoid" for m in kimi_norms
+    )
+    assert "KimiLinearRMSNormGated" in ft_hf.use_rms_norm(kimi)[1]

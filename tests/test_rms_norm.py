@@ -1,11 +1,12 @@
-"""fastft.rms_norm: the reference's written-out gradient against autograd, both backends (output and both
-gradients) against the reference on random shapes, strides, offsets and eps (hypothesis), half precision
+"""fastft.rms_norm: the reference's written-out gradient against autograd, both backends (output and every
+gradient) against the reference on random shapes, strides, offsets, eps and gates (hypothesis), half precision
 within the stock module's own error, the backward kernel at launch parameters the dispatcher does not pick,
 rows wider than the Triton path's, no rows, frozen weights, argument checks, and on a GPU bf16 at real widths
 without a host sync. Tolerance: against fp64, within twice the error the reference makes in the inputs' dtype
 plus 1e-5 of the largest value (bf16/fp16: one ulp of it)."""
 
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -20,22 +21,26 @@ BACKENDS = ["triton", "torch"]
 FP32 = dict(atol=1e-5, rtol=1e-5)
 
 
-def _outputs(fn, x, w, grad, **kw):
-    out = fn(x, w, **kw)
-    leaves = [t for t in (x, w) if t.requires_grad]
+GATES = [None, False, True]  # no gate; silu(gate) after the norm; before it (gate_first)
+
+
+def _outputs(fn, x, w, grad, gate=None, **kw):
+    out = fn(x, w, gate=gate, **kw) if gate is not None else fn(x, w, **kw)
+    leaves = [t for t in (x, w, gate) if t is not None and t.requires_grad]
     return [out, *torch.autograd.grad(out, leaves, grad)]
 
 
-def _check(x, w, backend, *, eps=1e-6, offset=0.0, seed=None):
+def _check(x, w, backend, *, eps=1e-6, offset=0.0, gate=None, gate_first=False, seed=None):
     """The op against the reference in fp64: within twice the reference's own error in the inputs' dtype plus
     1e-5 (fp32) or one ulp (bf16/fp16) of the largest value."""
     g = torch.Generator().manual_seed(0 if seed is None else seed)
     grad = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
-    got = _outputs(fastft.rms_norm, x, w, grad, eps=eps, offset=offset, backend=backend)
-    exact = [t.detach().double().requires_grad_(t.requires_grad) for t in (x, w)]
-    want = _outputs(reference.rms_norm, *exact, grad.double(), eps=eps, offset=offset)
-    stock = _outputs(reference.rms_norm, x, w, grad, eps=eps, offset=offset)
-    for name, a, s, e in zip(["out", "dx", "dweight"], got, stock, want):
+    kw = dict(eps=eps, offset=offset, **(dict(gate_first=gate_first) if gate is not None else {}))
+    got = _outputs(fastft.rms_norm, x, w, grad, gate, backend=backend, **kw)
+    exact = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in (x, w, gate)]
+    want = _outputs(reference.rms_norm, *exact[:2], grad.double(), exact[2], **kw)
+    stock = _outputs(reference.rms_norm, x, w, grad, gate, **kw)
+    for name, a, s, e in zip(["out", "dx", "dweight", "dgate"], got, stock, want):
         assert a.dtype == s.dtype and a.shape == s.shape, name
         err = (a.double() - e).abs().max().item() if a.numel() else 0.0
         ulp = 1e-5 if x.dtype == torch.float32 else torch.finfo(x.dtype).eps
@@ -47,13 +52,19 @@ def _check(x, w, backend, *, eps=1e-6, offset=0.0, seed=None):
 def test_backward_formula_is_autograd(rng):
     x = (torch.randn(7, 19, generator=rng) * 3).requires_grad_()
     w = torch.randn(19, generator=rng).requires_grad_()
+    z = (torch.randn(7, 19, generator=rng) * 2).requires_grad_()
     dy = torch.randn(7, 19, generator=rng)
     for offset in (0.0, 1.0):
-        out = reference.rms_norm(x, w, 1e-5, offset)
-        want = torch.autograd.grad(out, (x, w), dy)
-        got = reference.rms_norm_backward(dy, x, w, reference.rms_norm_rstd(x, 1e-5), offset)
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, **FP32)
+        for gate_first in GATES:
+            gate = None if gate_first is None else z
+            first = bool(gate_first)
+            out = reference.rms_norm(x, w, 1e-5, offset, gate, first)
+            want = torch.autograd.grad(out, [t for t in (x, w, gate) if t is not None], dy)
+            rstd = reference.rms_norm_rstd(x, 1e-5, gate, first)
+            got = reference.rms_norm_backward(dy, x, w, rstd, offset, gate, first)
+            assert (got[2] is None) == (gate is None)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, **FP32)
 
 
 def test_reference_is_the_transformers_modules(rng):
@@ -72,6 +83,23 @@ def test_reference_is_the_transformers_modules(rng):
     torch.testing.assert_close(reference.rms_norm(x, gemma.weight, 1e-5, 1.0), gemma(x), **FP32)
 
 
+def test_reference_is_the_transformers_gated_modules(rng):
+    """Qwen3.5's gated norm (``silu(gate)`` after the norm) and Mamba-2's (before it) in fp32."""
+    qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    mamba2 = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
+    x, z = torch.randn(5, 3, 24, generator=rng), torch.randn(5, 3, 24, generator=rng) * 2
+    grouped = "group_size" in inspect.signature(mamba2.MambaRMSNormGated).parameters  # transformers 5.24's
+    before = mamba2.MambaRMSNormGated(24, **(dict(group_size=24) if grouped else {}), eps=1e-5)  # one group
+    after = qwen.Qwen3_5RMSNormGated(24, eps=1e-5)
+    with torch.no_grad():
+        after.weight.normal_(generator=rng)
+        before.weight.normal_(generator=rng)
+    torch.testing.assert_close(reference.rms_norm(x, after.weight, 1e-5, gate=z), after(x, z), **FP32)
+    torch.testing.assert_close(
+        reference.rms_norm(x, before.weight, 1e-5, gate=z, gate_first=True), before(x, z), **FP32
+    )
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(
     rows=st.integers(1, 40),
@@ -81,15 +109,17 @@ def test_reference_is_the_transformers_modules(rng):
     eps=st.sampled_from([0.0, 1e-6, 0.1]),
     frozen=st.booleans(),
     strided=st.booleans(),
+    gate=st.sampled_from(GATES),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_matches_reference(backend, device, rows, width, lead, offset, eps, frozen, strided, seed):
+def test_matches_reference(backend, device, rows, width, lead, offset, eps, frozen, strided, gate, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, rows, width + strided, generator=g) * 3 + 0.5
     x = x[..., :width] if strided else x  # a row stride past the width
     x = x.to(device).requires_grad_()
     w = torch.randn(width, generator=g).to(device).requires_grad_(not frozen)
-    _check(x, w, backend, eps=eps, offset=offset, seed=seed)
+    z = None if gate is None else (torch.randn(x.shape, generator=g) * 2).to(device).requires_grad_()
+    _check(x, w, backend, eps=eps, offset=offset, gate=z, gate_first=bool(gate), seed=seed)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -99,35 +129,46 @@ def test_half_precision_within_stock_error(backend, device, rng, dtype):
     w = (1 + torch.randn(96, generator=rng) * 0.1).to(device, dtype).requires_grad_()
     _check(x, w, backend)
     _check(x, w.float().detach().requires_grad_(), backend, offset=1.0)  # an fp32 weight beside bf16 rows
+    z = torch.randn(50, 96, generator=rng).to(device, dtype).requires_grad_()
+    _check(x, w, backend, gate=z)
+    _check(x, w, backend, gate=z.float().detach().requires_grad_(), gate_first=True)  # an fp32 gate
 
 
 @pytest.mark.parametrize("tile", [16, 32, 128])
-def test_forward_kernel_tiles(device, rng, tile):
+@pytest.mark.parametrize("gate", GATES)
+def test_forward_kernel_tiles(device, rng, tile, gate):
     """Tiles of one row (narrower than a row: its block still whole) or several, a last tile cut short."""
     kernels = pytest.importorskip("fastft.kernels.rms_norm")
     x = torch.randn(37, 20, generator=rng).to(device)
     w = torch.randn(20, generator=rng).to(device)
-    out, rstd = kernels.rms_norm_forward(x, w, 1e-6, 1.0, TILE=tile, num_warps=1)
-    torch.testing.assert_close(out, reference.rms_norm(x, w, 1e-6, 1.0), **FP32)
-    torch.testing.assert_close(rstd, reference.rms_norm_rstd(x, 1e-6), **FP32)
+    z = None if gate is None else torch.randn(37, 40, generator=rng).to(device)[:, ::2].contiguous()
+    out, rstd = kernels.rms_norm_forward(x, w, 1e-6, 1.0, z, bool(gate), TILE=tile, num_warps=1)
+    torch.testing.assert_close(out, reference.rms_norm(x, w, 1e-6, 1.0, z, bool(gate)), **FP32)
+    torch.testing.assert_close(rstd, reference.rms_norm_rstd(x, 1e-6, z, bool(gate)), **FP32)
 
 
 @pytest.mark.parametrize("programs, tile", [(1, 32), (2, 32), (5, 64), (100, 16)])
-def test_backward_kernel_programs_and_tiles(device, rng, programs, tile):
+@pytest.mark.parametrize("gate", GATES)
+def test_backward_kernel_programs_and_tiles(device, rng, programs, tile, gate):
     """Programs that each walk several tiles (or none past the last), tiles of one or several rows: the
     weight's partial sums add up to the reference's, with and without its gradient asked."""
     kernels = pytest.importorskip("fastft.kernels.rms_norm")
     x = torch.randn(37, 20, generator=rng).to(device)
     w = torch.randn(20, generator=rng).to(device)
     dy = torch.randn(37, 20, generator=rng).to(device)
-    rstd = reference.rms_norm_rstd(x, 1e-6)
-    want = reference.rms_norm_backward(dy, x, w, rstd, 1.0)
+    z = None if gate is None else torch.randn(37, 20, generator=rng).to(device)
+    rstd = reference.rms_norm_rstd(x, 1e-6, z, bool(gate))
+    want = reference.rms_norm_backward(dy, x, w, rstd, 1.0, z, bool(gate))
     kw = dict(programs=programs, TILE=tile, num_warps=1)
     for stages in (1, 3):
-        dx, dw = kernels.rms_norm_backward(dy, x, w, rstd, 1.0, True, stages=stages, **kw)
+        dx, dw, dz = kernels.rms_norm_backward(dy, x, w, rstd, 1.0, True, z, bool(gate), stages=stages, **kw)
         torch.testing.assert_close(dx, want[0], **FP32)
         torch.testing.assert_close(dw, want[1], **FP32)
-    dx, dw = kernels.rms_norm_backward(dy, x, w, rstd, 1.0, False, stages=2, **kw)
+        if gate is None:
+            assert dz is None
+        else:
+            torch.testing.assert_close(dz, want[2], **FP32)
+    dx, dw, _ = kernels.rms_norm_backward(dy, x, w, rstd, 1.0, False, z, bool(gate), stages=2, **kw)
     torch.testing.assert_close(dx, want[0], **FP32)
     assert dw.numel() == 0
 
@@ -158,11 +199,14 @@ def test_no_rows_and_no_grad(backend, device, rng):
 def test_custom_op_opcheck(backend, device, rng):
     x = torch.randn(9, 12, generator=rng).to(device)
     w = torch.randn(12, generator=rng).to(device)
-    torch.library.opcheck(rn.rms_norm_op.op, (x, w, 1e-6, 1.0, backend))
-    rstd = reference.rms_norm_rstd(x, 1e-6)
-    for grad_weight in (True, False):
-        args = (torch.randn(9, 12, generator=rng).to(device), x, w, rstd, 0.0, grad_weight, backend)
-        torch.library.opcheck(rn.rms_norm_backward_op.op, args)
+    z = torch.randn(9, 12, generator=rng).to(device)
+    for gate, first in ((None, False), (z, False), (z, True)):
+        torch.library.opcheck(rn.rms_norm_op.op, (x, w, gate, 1e-6, 1.0, first, backend))
+        rstd = reference.rms_norm_rstd(x, 1e-6, gate, first)
+        for grad_weight in (True, False):
+            dy = torch.randn(9, 12, generator=rng).to(device)
+            args = (dy, x, w, gate, rstd, 0.0, first, grad_weight, backend)
+            torch.library.opcheck(rn.rms_norm_backward_op.op, args)
 
 
 def test_argument_checks(rng):
@@ -181,6 +225,11 @@ def test_argument_checks(rng):
         (ValueError, "eps must be finite", lambda: call(x, w, float("inf"))),
         (ValueError, "offset must be finite", lambda: call(x, w, offset=float("nan"))),
         (ValueError, "backend must be one of", lambda: call(x, w, backend="cuda")),
+        (TypeError, "gate must be a tensor", lambda: call(x, w, gate=x.tolist())),
+        (TypeError, "gate must be float32, bfloat16 or float16", lambda: call(x, w, gate=x.int())),
+        (ValueError, "gate must have x's shape \\(3, 4\\)", lambda: call(x, w, gate=x[:2])),
+        (TypeError, "gate_first must be True or False", lambda: call(x, w, gate=x, gate_first="yes")),
+        (ValueError, "gate_first=True gates the input before the norm: give gate", lambda: call(x, w, gate_first=True)),
     ]
     for error, match, fn in cases:
         with pytest.raises(error, match=match):
@@ -189,12 +238,17 @@ def test_argument_checks(rng):
 
 @pytest.mark.gpu
 def test_bf16_at_real_widths_without_host_sync(rng):
-    """Qwen3-8B's hidden rows and its per-head query norm (128 wide), 16,384 tokens: within the reference's
-    error, and no sync."""
+    """Qwen3-8B's hidden rows and its per-head query norm (128 wide), 16,384 tokens, and the gated norms of
+    Qwen3.5 and Granite-4.0-H: within the reference's error, and no sync."""
     for shape in ((16384, 4096), (16384, 32, 128)):
         x = torch.randn(shape, generator=rng).to("cuda", torch.bfloat16).requires_grad_()
         w = (1 + torch.randn(shape[-1], generator=rng) * 0.1).to("cuda", torch.bfloat16).requires_grad_()
         _check(x, w, "triton")
+    # Qwen3.5's gated norm (32 value heads of 128) and Granite-4.0-H's (3,072 channels)
+    for shape, first in (((16384, 32, 128), False), ((16384, 3072), True)):
+        x, z = (torch.randn(shape, generator=rng).to("cuda", torch.bfloat16).requires_grad_() for _ in range(2))
+        w = (1 + torch.randn(shape[-1], generator=rng) * 0.1).to("cuda", torch.bfloat16).requires_grad_()
+        _check(x, w, "triton", gate=z, gate_first=first)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

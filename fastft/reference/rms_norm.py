@@ -5,6 +5,12 @@
 
 ``offset=0`` is Llama's and Qwen3's norm (which round ``x * r`` to x's dtype before the product: one rounding
 more, within one unit in the last place); ``offset=1`` is Gemma's and Qwen3-Next's (``1 + weight``).
+
+With a ``gate`` z (x's shape), the gated norms of the linear-attention and state-space mixers:
+
+    gate_first=False:  out = x * r * (weight + offset) * silu(z)              Qwen3.5's, Qwen3-Next's
+    gate_first=True:   u = x * silu(z);  out = u * r_u * (weight + offset)    Mamba-2's (Granite-4.0-H, Bamba)
+
 ``rms_norm_backward`` is the torch backend's gradient: that derivative written out (tested against autograd).
 """
 
@@ -13,27 +19,71 @@ from __future__ import annotations
 import torch
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """``x`` ``[..., H]`` normalised by its root mean square over the last dim, times ``weight + offset``
-    (``weight`` ``[H]``); computed in fp32 (fp64 inputs: fp64), returned in ``x``'s dtype."""
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+def _compute(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _gated_input(x, gate, gate_first, compute):
     xf = x.to(compute)
-    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * r * (weight.to(compute) + offset)).to(x.dtype)
+    return xf * torch.nn.functional.silu(gate.to(compute)) if gate is not None and gate_first else xf
 
 
-def rms_norm_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Each row's fp32 ``r`` ``[R]`` of ``x`` ``[R, H]`` (what the forward keeps for the backward)."""
-    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float = 0.0,
+    gate: torch.Tensor | None = None,
+    gate_first: bool = False,
+) -> torch.Tensor:
+    """``x`` ``[..., H]`` normalised by its root mean square over the last dim, times ``weight + offset``
+    (``weight`` ``[H]``), gated by ``silu(gate)`` after the norm or, with ``gate_first``, before it; computed
+    in fp32 (fp64 inputs: fp64), returned in ``x``'s dtype."""
+    compute = _compute(x)
+    u = _gated_input(x, gate, gate_first, compute)
+    out = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps) * (weight.to(compute) + offset)
+    if gate is not None and not gate_first:
+        out = out * torch.nn.functional.silu(gate.to(compute))
+    return out.to(x.dtype)
+
+
+def rms_norm_rstd(
+    x: torch.Tensor, eps: float, gate: torch.Tensor | None = None, gate_first: bool = False
+) -> torch.Tensor:
+    """Each row's fp32 ``r`` ``[R]`` of ``x`` ``[R, H]`` (of ``x * silu(gate)`` with ``gate_first``): what the
+    forward keeps for the backward."""
+    return torch.rsqrt(_gated_input(x, gate, gate_first, torch.float32).pow(2).mean(-1) + eps)
 
 
 def rms_norm_backward(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x``'s gradient (x's dtype) and ``weight``'s (fp32) from the output's ``dy`` ``[R, H]``: with
-    ``n = x r`` and ``g = dy (weight + offset)``, ``dx = r (g - n mean(g n))`` and ``dweight = sum over rows of
-    dy n``."""
-    n = x.float() * rstd[:, None]
-    g = dy.float() * (weight.float() + offset)
-    dx = rstd[:, None] * (g - n * (g * n).mean(-1, keepdim=True))
-    return dx.to(x.dtype), (dy.float() * n).sum(0)
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    gate: torch.Tensor | None = None,
+    gate_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x``'s gradient (x's dtype), ``weight``'s (fp32) and ``gate``'s (its dtype; None without a gate) from the
+    output's ``dy`` ``[R, H]``. With ``u`` the normalised input (``x``, or ``x s`` with ``gate_first``, where
+    ``s = silu(z)``), ``n = u r``, ``e`` the output's gradient before the gate after the norm (``dy s``, else
+    ``dy``) and ``g = e (weight + offset)``: ``du = r (g - n mean(g n))``, ``dweight = sum over rows of e n``;
+    ``dx = du`` (``du s`` with ``gate_first``); ``dz = dy n (weight + offset) silu'(z)`` after the norm,
+    ``du x silu'(z)`` before it, with ``silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z)))``."""
+    w = weight.float() + offset
+    xf, dyf = x.float(), dy.float()
+    if gate is not None:
+        z = gate.float()
+        sig = torch.sigmoid(z)
+        s, ds = z * sig, sig * (1 + z * (1 - sig))
+    u = xf * s if gate is not None and gate_first else xf
+    n = u * rstd[:, None]
+    e = dyf * s if gate is not None and not gate_first else dyf
+    g = e * w
+    du = rstd[:, None] * (g - n * (g * n).mean(-1, keepdim=True))
+    dw = (e * n).sum(0)
+    if gate is None:
+        return du.to(x.dtype), dw, None
+    if gate_first:
+        return (du * s).to(x.dtype), dw, (du * xf * ds).to(gate.dtype)
+    return du.to(x.dtype), dw, (dyf * n * w * ds).to(gate.dtype)

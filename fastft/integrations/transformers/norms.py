@@ -8,7 +8,14 @@ forward (and its ``_norm``) and takes the forms whose math is ``fastft.rms_norm`
   steps aside); it rounds ``x * r`` once more than fastft does (one unit in the last place);
 - OLMo-2's and Helium's: ``(self.weight * x * r).to(input_dtype)``;
 - Gemma's and Qwen3.5's / Qwen3-Next's: ``(x * r * (1 + weight)).type_as(x)`` with ``eps`` (``offset=1``);
-- Moshi's: the same without the 1.
+- Moshi's: the same without the 1;
+- the gated norms of the linear-attention and state-space mixers (``norm(x, gate)``): Qwen3.5's, Qwen3-Next's
+  and OLMo-Hybrid's (the gate's activation after the norm, ``self.weight * x.to(input_dtype)`` rounded once
+  more), the same with the weight in fp32, each where ``self.activation`` is SiLU (Kimi's is a sigmoid: left);
+  Mamba-2's, Bamba's and Granite-4.0-H's (``silu(gate)`` before the norm, or no gate), where the weight has the
+  input's dtype; from transformers 5.24 these normalise groups of ``group_size`` channels: fastft takes them
+  where a group is the whole row (one group, as Granite-4.0-H's). Other grouped forms (Falcon-H1's,
+  Nemotron-H's) keep theirs.
 
 In a training forward (train mode, not a forward the model runs on its own code: ``generate``, evaluation),
 each such norm runs ``fastft.rms_norm``: one kernel each way instead of a chain of fp32 elementwise kernels
@@ -55,6 +62,43 @@ _FORMS = {
 }
 
 
+_GATED = (
+    "input_dtype = hidden_states.dtype hidden_states = hidden_states.to(torch.float32) variance = "
+    "hidden_states.pow(2).mean(-1, keepdim=True) hidden_states = hidden_states * torch.rsqrt(variance + "
+    "self.variance_epsilon) hidden_states = {weight} hidden_states = hidden_states * "
+    "ACT2FN[self.activation](gate.to(torch.float32)) return hidden_states.to(input_dtype)"
+)
+_GATE_FIRST = (
+    "input_dtype = hidden_states.dtype hidden_states = hidden_states.to(torch.float32) if gate is not None: "
+    "hidden_states = hidden_states * nn.functional.silu(gate.to(torch.float32)) {norm} "
+    "return self.weight * hidden_states.to(input_dtype)"
+)
+_WHOLE = (
+    "variance = hidden_states.pow(2).mean(-1, keepdim=True) hidden_states = hidden_states * torch.rsqrt(variance + "
+    "self.variance_epsilon)"
+)
+_GROUPS = (  # transformers 5.24's: groups of ``self.group_size`` channels (fastft takes one group, the whole row)
+    "*prefix_dims, last_dim = hidden_states.shape group_count = last_dim // self.group_size hidden_states_group = "
+    "hidden_states.view(*prefix_dims, group_count, self.group_size) variance = hidden_states_group.pow(2).mean(-1, "
+    "keepdim=True) hidden_states_group = hidden_states_group * torch.rsqrt(variance + self.variance_epsilon) "
+    "hidden_states = hidden_states_group.view(*prefix_dims, group_count * self.group_size)"
+)
+# gated norms' forward body -> (eps attribute, offset, the weight must have x's dtype, gate first, in groups)
+_GATED_FORMS = {
+    _GATED.format(weight="self.weight * hidden_states.to(input_dtype)"): ("variance_epsilon", 0.0, False, False, False),
+    _GATED.format(weight="self.weight.to(torch.float32) * hidden_states"): (
+        "variance_epsilon",
+        0.0,
+        False,
+        False,
+        False,
+    ),
+    _GATE_FIRST.format(norm=_WHOLE): ("variance_epsilon", 0.0, True, True, False),
+    _GATE_FIRST.format(norm=_GROUPS): ("variance_epsilon", 0.0, True, True, True),
+}
+_SILU = ("silu", "swish")
+
+
 @functools.cache
 def norm_form(cls) -> tuple[str, float, bool] | None:
     """(eps attribute, offset, whether the weight must have the input's dtype) of a norm class whose forward
@@ -66,31 +110,70 @@ def norm_form(cls) -> tuple[str, float, bool] | None:
     return _FORMS.get((forward, norm))
 
 
+@functools.cache
+def gated_form(cls) -> tuple[str, float, bool, bool, bool] | None:
+    """(eps attribute, offset, whether the weight must have the input's dtype, whether the gate comes before
+    the norm, whether it normalises groups of ``self.group_size`` channels) of a gated norm class
+    (``forward(hidden_states, gate)``) whose forward is ``fastft.rms_norm``'s math with its ``gate``, or None."""
+    forward = body(cls.forward)
+    return None if forward is None else _GATED_FORMS.get(forward)
+
+
+def _takes(module) -> bool:
+    """Whether fastft takes ``module``'s forward: a plain form, or a gated one gated by SiLU (in one group)."""
+    if norm_form(type(module)) is not None:
+        return True
+    form = gated_form(type(module))
+    if form is None or (form[4] and getattr(module, "group_size", None) != module.weight.shape[-1]):
+        return False
+    return form[3] or getattr(module, "activation", None) in _SILU
+
+
 def is_rms_norm(module) -> bool:
-    """Whether ``module`` is a transformers RMSNorm layer (by its class name), Liger's excepted."""
+    """Whether ``module`` is a transformers RMSNorm layer, gated or not (by its class name), Liger's excepted."""
     cls = type(module)
-    return cls.__name__.endswith("RMSNorm") and not (cls.__module__ or "").startswith("liger_kernel")
+    return cls.__name__.endswith(("RMSNorm", "RMSNormGated")) and not (cls.__module__ or "").startswith("liger_kernel")
 
 
 def _norm_forward(self, *args, **kwargs):
-    """A norm's forward under ``use_rms_norm`` (bound to the norm): ``fastft.rms_norm`` of its one input in a
-    training forward, else its class's forward."""
-    if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor):
-        return type(self).forward(self, *args, **kwargs)
-    (hidden_states,) = args
-    eps_name, offset, same_dtype = norm_form(type(self))
+    """A norm's forward under ``use_rms_norm`` (bound to the norm): ``fastft.rms_norm`` of its input (and a
+    gated norm's gate) in a training forward, else its class's forward."""
+    form = norm_form(type(self))
+    if form is not None:
+        if len(args) != 1 or kwargs:
+            return type(self).forward(self, *args, **kwargs)
+        (hidden_states,), gate, gate_first = args, None, False
+    else:
+        eps_name, offset, same_dtype, gate_first, grouped = gated_form(type(self))
+        form = eps_name, offset, same_dtype
+        given = dict(zip(("hidden_states", "gate"), args), **kwargs)
+        if len(args) > 2 or set(given) - {"hidden_states", "gate"} or "hidden_states" not in given:
+            return type(self).forward(self, *args, **kwargs)
+        hidden_states, gate = given["hidden_states"], given.get("gate")
+        if grouped and not (isinstance(hidden_states, torch.Tensor) and self.group_size == hidden_states.shape[-1]):
+            return type(self).forward(self, *args, **kwargs)  # several groups a row: not fastft.rms_norm's math
+        if gate is None and not gate_first:  # the form multiplies by the gate's activation: it needs one
+            return type(self).forward(self, *args, **kwargs)
+        if gate is not None and (
+            not isinstance(gate, torch.Tensor) or gate.dtype not in _DTYPES or gate.shape != hidden_states.shape
+        ):
+            return type(self).forward(self, *args, **kwargs)
+        gate_first = gate_first and gate is not None
+    eps_name, offset, same_dtype = form
     weight = self.weight
     if (
-        not self.training
+        not isinstance(hidden_states, torch.Tensor)
+        or not self.training
         or stepping_aside()
         or hidden_states.dtype not in _DTYPES
         or weight.dtype not in _DTYPES
         or (same_dtype and weight.dtype != hidden_states.dtype)
         or weight.device != hidden_states.device
+        or (gate is not None and gate.device != hidden_states.device)
         or type(weight).__name__ == "DTensor"
     ):
-        return type(self).forward(self, hidden_states)
-    return rms_norm(hidden_states, weight, getattr(self, eps_name), offset=offset)
+        return type(self).forward(self, *args, **kwargs)
+    return rms_norm(hidden_states, weight, getattr(self, eps_name), offset=offset, gate=gate, gate_first=gate_first)
 
 
 def use_rms_norm(model) -> tuple[int, list[str]]:
@@ -105,7 +188,7 @@ def use_rms_norm(model) -> tuple[int, list[str]]:
     for module in inner.modules():
         if not is_rms_norm(module):
             continue
-        if "forward" in module.__dict__ or norm_form(type(module)) is None:
+        if "forward" in module.__dict__ or not _takes(module):
             left.add(type(module).__name__)
             continue
         patch_forward(module, _norm_forward)
