@@ -150,7 +150,7 @@ def _norm_forward(self, *args, **kwargs):
         if len(args) > 2 or set(given) - {"hidden_states", "gate"} or "hidden_states" not in given:
             return type(self).forward(self, *args, **kwargs)
         hidden_states, gate = given["hidden_states"], given.get("gate")
-        if grouped and not (isinstance(hidden_states, torch.Tensor) and self.group_size == hidden_states.shape[-1]):
+        if not isinstance(hidden_states, torch.Tensor) or (grouped and self.group_size != hidden_states.shape[-1]):
             return type(self).forward(self, *args, **kwargs)  # several groups a row: not fastft.rms_norm's math
         if gate is None and not gate_first:  # the form multiplies by the gate's activation: it needs one
             return type(self).forward(self, *args, **kwargs)
