@@ -148,6 +148,15 @@ def rms_norm_case(device, g):
     return _grads(fastft.rms_norm(x, w, offset=1.0), [x, w], 4)
 
 
+def gated_rms_norm_case(gate_first):
+    def case(device, g):
+        x, z = (torch.randn(300, 96, generator=g).to(device, torch.bfloat16).requires_grad_() for _ in range(2))
+        w = torch.randn(96, generator=g).to(device, torch.bfloat16).requires_grad_()
+        return _grads(fastft.rms_norm(x, w, gate=z, gate_first=gate_first), [x, w, z], 4)
+
+    return case
+
+
 def rotary_case(device, g):
     q = torch.randn(2, 40, 5, 64, generator=g).to(device, torch.bfloat16).transpose(1, 2).requires_grad_()
     k = torch.randn(2, 40, 2, 64, generator=g).to(device, torch.bfloat16).transpose(1, 2).requires_grad_()
@@ -253,6 +262,8 @@ FLOAT_CASES = {
     "selective_scan": selective_scan_case,
     "swiglu": swiglu_case,
     "rms_norm": rms_norm_case,
+    "rms_norm gated": gated_rms_norm_case(False),
+    "rms_norm gated first": gated_rms_norm_case(True),
     "rotary": rotary_case,
     "swiglu apart": swiglu_pair_case,
     "linear_cross_entropy": linear_cross_entropy_case,
