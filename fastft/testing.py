@@ -40,6 +40,7 @@ __all__ = [
     "packed_position_ids",
     "router_ids",
     "tiny_hf_model",
+    "clear_of_router_ties",
     "seeds_strategy",
     "position_ids_strategy",
     "seq_lengths_strategy",
@@ -433,6 +434,49 @@ def tiny_hf_model(family: str, dtype=torch.float32, device="cpu", seed: int = 0,
             if "bias" in name:
                 p.normal_(0, 0.05)
     return model.train()
+
+
+def clear_of_router_ties(model: torch.nn.Module, draw, margin: float = 1e-4, tries: int = 100) -> dict:
+    """The first of ``draw()``'s batches (a dict of the model's inputs) on which every MoE router of ``model`` keeps
+    its top-k experts' logits more than ``margin`` above the next expert's, for every token (a model without
+    routers: the first batch). Two fp32 implementations of one model differ by rounding (about 1e-7 in the
+    logits): on a near-tied token that flips an expert choice, and the outputs then differ by far more than any
+    tolerance. A router is a module with an integer ``top_k`` and a ``weight`` of one row per expert (or such a
+    block's ``router`` / ``gate`` linear layer); its logits are the output of that width."""
+    taps = []
+    for module in model.modules():
+        top_k = getattr(module, "top_k", None)
+        if not isinstance(top_k, int) or isinstance(top_k, bool):
+            continue
+        linear = module if hasattr(module, "weight") else getattr(module, "router", getattr(module, "gate", None))
+        if isinstance(getattr(linear, "weight", None), torch.Tensor):
+            taps.append((linear, top_k))
+    gaps = []
+
+    def tap(top_k):
+        def record(module, args, output):
+            experts = module.weight.shape[0]
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            logits = next(o for o in outputs if torch.is_tensor(o) and o.is_floating_point() and o.shape[-1] == experts)
+            top = logits.detach().float().topk(top_k + 1, dim=-1).values
+            gaps.append((top[..., -2] - top[..., -1]).min().item())
+
+        return record
+
+    hooks = [linear.register_forward_hook(tap(top_k)) for linear, top_k in taps]
+    try:
+        for _ in range(tries):
+            batch, gaps[:] = draw(), []
+            if not hooks:
+                return batch
+            with torch.no_grad():
+                model(**batch)
+            if min(gaps) > margin:
+                return batch
+    finally:
+        for h in hooks:
+            h.remove()
+    raise ValueError(f"draw: {tries} batches all came within {margin} of a router tie")
 
 
 # ---- hypothesis strategies -------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ pytest.importorskip("liger_kernel")
 
 import fastft.integrations.transformers as ft_hf  # noqa: E402
 from fastft.integrations import liger as ft_liger  # noqa: E402
-from fastft.testing import tiny_hf_model  # noqa: E402
+from fastft.testing import clear_of_router_ties, tiny_hf_model  # noqa: E402
 
 
 @pytest.fixture
@@ -36,9 +36,13 @@ def reference(rng):
     """fastft on a model without Liger, and a packed batch."""
     model = tiny_hf_model("qwen3_moe", seed=int(torch.randint(1 << 30, (), generator=rng)))
     ft_hf.apply(model, offload_checkpointing=False)
-    ids = torch.randint(0, 128, (1, 14), generator=rng)
     positions = torch.cat([torch.arange(6), torch.arange(8)])[None]
-    return model, dict(input_ids=ids, labels=ids, position_ids=positions)
+
+    def draw():
+        ids = torch.randint(0, 128, (1, 14), generator=rng)
+        return dict(input_ids=ids, labels=ids, position_ids=positions)
+
+    return model, clear_of_router_ties(model, draw)
 
 
 def loss_and_grads(model, batch):

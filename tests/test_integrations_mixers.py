@@ -3,6 +3,7 @@ Kimi Delta Attention (Kimi-Linear), Mamba-2 (Bamba, Granite-4.0-H, Falcon-H1, Ne
 MiniMax's lightning attention and LFM2's short convolutions packing-correct, and refuses every other transformers
 family whose layers mix tokens outside attention, found from the config, the modules and their names."""
 
+import copy
 import re
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from fastft import testing  # noqa: E402
 from fastft.integrations.transformers import apply, mixer_ops, mixers, revert, use_packed_attention  # noqa: E402
 
 # transformers 5.17's causal-LM families whose layers mix tokens outside attention (or with attention kinds
@@ -255,7 +257,10 @@ def test_a_new_layer_type_is_caught_by_the_config():
         mixers.check_packing(model)
 
 
-def documents(rng, vocab: int, lengths=(7, 1, 13, 3), device="cpu"):
+LENGTHS = (7, 1, 13, 3)
+
+
+def documents(rng, vocab: int, lengths=LENGTHS, device="cpu"):
     """One packed row of documents: its token ids and position ids on ``device``."""
     ids = torch.randint(0, vocab, (1, sum(lengths)), generator=rng)
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -288,11 +293,18 @@ def test_packed_equals_each_document_alone(model_type, graphs, rng, device, monk
     if device.type == "cpu" and (graphs or model_type not in INTERPRETED):
         monkeypatch.setenv("FASTFT_BACKEND", "torch")
     model = tiny(model_type, rng, **HYBRIDS[model_type]).to(device).train()
+    stock = copy.deepcopy(model)
     patched = patch_counts()
-    ids, pos, lengths = documents(rng, model.config.vocab_size, device=device)
-    stock_logits, _ = step(model, ids, pos)
     apply(model, graphs=graphs) if graphs else apply(model)
     assert model_state_records(model) >= {"mixers"}
+
+    def draw():
+        ids, pos, _ = documents(rng, model.config.vocab_size, device=device)
+        return dict(input_ids=ids, position_ids=pos)
+
+    batch = testing.clear_of_router_ties(model, draw)  # MoE hybrids: no token near a tie
+    ids, pos, lengths = batch["input_ids"], batch["position_ids"], LENGTHS
+    stock_logits, _ = step(stock, ids, pos)
     logits, grads = step(model, ids, pos)
     alone_grads = {}
     start = 0

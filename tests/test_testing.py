@@ -233,6 +233,38 @@ def test_tiny_hf_model(family):
     assert model(input_ids=ids).logits.shape == (1, 8, 128)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_clear_of_router_ties_draws_until_no_token_is_near_a_tie(family, rng):
+    pytest.importorskip("transformers")
+    model = testing.tiny_hf_model(family, seed=int(torch.randint(1 << 30, (), generator=rng)))
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    assert len(routers) == 2
+    draws = []
+
+    def draw():
+        draws.append(dict(input_ids=torch.randint(0, 128, (2, 16), generator=rng)))
+        return draws[-1]
+
+    margin = 1e-3
+    batch = testing.clear_of_router_ties(model, draw, margin=margin)
+    assert batch is draws[-1] and not any(r._forward_hooks for r in routers)
+    with torch.no_grad():
+        for router in routers:  # the chosen batch: every token's k-th expert clear of the next one
+            gaps = []
+            handle = router.register_forward_hook(lambda m, a, out: gaps.append(out[0].topk(m.top_k + 1).values))
+            model(**batch)
+            handle.remove()
+            assert (gaps[0][..., -2] - gaps[0][..., -1]).min() > margin
+    with torch.no_grad():  # every expert with one router row: every token ties, and no draw will do
+        routers[1].weight.copy_(routers[1].weight[:1].clone().expand_as(routers[1].weight))
+        if getattr(routers[1], "bias", None) is not None:
+            routers[1].bias.fill_(0.0)
+    with pytest.raises(ValueError, match="router tie"):
+        testing.clear_of_router_ties(model, draw, tries=3)
+    dense = testing.tiny_hf_model("llama")
+    assert testing.clear_of_router_ties(dense, draw) is draws[-1]  # no router: the first batch
+
+
 def test_differential_gives_each_callable_its_own_namedtuples_and_dataclasses():
     import collections
     import dataclasses
