@@ -1,20 +1,24 @@
 """Compile, for real GPUs, every Triton kernel launch the CPU test suite makes in Triton's interpreter.
 
 The interpreter runs a kernel's Python on NumPy: it never builds the kernel for a GPU, so a kernel that the
-compiler rejects (a dot below 16 wide, a constexpr branch that does not type-check, too much shared memory
-for an architecture) passes every CPU test. This script closes that gap without a GPU: Triton's compiler and
-ptxas run on any machine.
+compiler rejects (a dot below 16 wide, a constexpr branch that does not type-check) passes every CPU test.
+This script closes that gap without a GPU: Triton's compiler and ptxas run on any machine. (What only a GPU
+checks stays the GPU tests' business: resources at load time, such as shared memory, and what the code
+computes.)
 
     python3 scripts/compile_kernels.py record LAUNCHES -- [pytest arguments]
         runs pytest (the interpreter) and writes each distinct launch to the JSON file LAUNCHES: the kernel,
         each argument's type (a tensor's dtype and 16-byte alignment, an int's width, a constexpr's value)
         and num_warps / num_stages;
     python3 scripts/compile_kernels.py compile LAUNCHES [--arch 90 80] [--jobs N]
-        compiles each recorded launch to a cubin for each CUDA architecture (sm_90: H100/H200; sm_80: A100),
+        compiles the recorded launches (per kernel, dtypes and flags, those with the smallest and the largest
+        sizes) to cubins for each CUDA architecture (sm_90: H100/H200; sm_80: A100) with the installed Triton,
         and exits 1, naming the kernel, the launch and the compiler's error, if any does not compile.
 
-scripts/test.sh does both on a machine without a GPU. The compiled code is not run: what it computes is the
-GPU tests' business.
+scripts/test.sh does both, for sm_90, on a machine without a GPU. Another Triton release (the one a GPU
+machine's torch pins) compiles the same file from its own directory:
+``pip install --no-deps --target DIR triton==X`` then ``PYTHONPATH=DIR python3 scripts/compile_kernels.py
+compile LAUNCHES``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ import json
 import os
 import sys
 import time
-
 
 # ---- recording (a pytest plugin, loaded by ``record``) ----------------------------------------------------
 
@@ -47,7 +50,7 @@ def _representative(value):
         return 0.5
     if value is None or isinstance(value, (bool, int, str)):
         return value
-    raise TypeError(f"unrecorded argument type {type(value).__name__}")
+    raise TypeError(f"scripts/compile_kernels.py records no kernel argument of type {type(value).__name__}")
 
 
 class Recorder:
@@ -80,7 +83,11 @@ class Recorder:
             "kernel": fn.__name__,
             "args": {name: _representative(v) if runtime(name) else v for name, v in bound.items()},
         }
-        self.launches.setdefault(json.dumps(launch, sort_keys=True), launch)
+        try:
+            key = json.dumps(launch, sort_keys=True)
+        except TypeError as e:
+            raise TypeError(f"scripts/compile_kernels.py: {fn.__name__}'s constexprs are not JSON: {e}") from None
+        self.launches.setdefault(key, launch)
 
     def pytest_sessionfinish(self, session):
         with open(self.path, "w") as f:
@@ -205,7 +212,7 @@ def main() -> int:
         os.environ["TRITON_INTERPRET"] = "1"
         import pytest
 
-        pytest_args = [a for a in args.pytest_args if a != "--"]
+        pytest_args = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
         return int(pytest.main(pytest_args, plugins=[Recorder(os.path.abspath(args.launches))]))
     os.environ.pop("TRITON_INTERPRET", None)
     return compile_all(args.launches, args.arch, args.jobs)

@@ -10,7 +10,7 @@ import pytest
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "compile_kernels.py")
 
-KERNELS = '''
+KERNELS = """
 import triton
 import triton.language as tl
 
@@ -22,9 +22,9 @@ def square(x_ptr, n, B: tl.constexpr, TRANSPOSE: tl.constexpr):
     if TRANSPOSE:
         a = tl.trans(a)
     tl.store(x_ptr + r[:, None] * B + r[None, :], tl.dot(a, a), mask=(r < n)[:, None])
-'''
+"""
 
-LAUNCHES = '''
+LAUNCHES = """
 import torch
 
 import fastft_compile_probe as k
@@ -35,7 +35,7 @@ def test_launches():
     k.square[(1,)](x, 3, B=4, TRANSPOSE=False)  # a dot 4 wide: the interpreter computes it, no GPU compiles it
     k.square[(1,)](x, 3, B=16, TRANSPOSE=False)
     k.square[(1,)](x, 16, B=16, TRANSPOSE=True)
-'''
+"""
 
 
 def run(tmp_path, *args):
