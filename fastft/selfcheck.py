@@ -372,8 +372,8 @@ def check_conv(g: torch.Generator, device, max_tokens: int) -> None:
 
 def check_rms_norm(g: torch.Generator, device, max_tokens: int) -> None:
     """``fastft.rms_norm`` on the dispatched backend against ``fastft.reference.rms_norm`` on random rows,
-    widths, offsets, eps and gates (none, after the norm, before it): the output and x's and the gate's gradients
-    fp32 within 1e-5; the weight's (a sum over the rows) within 1e-4 of its largest value."""
+    widths, offsets, eps and gates (none, after the norm, before it; SiLU or sigmoid): the output and x's and the
+    gate's gradients fp32 within 1e-5; the weight's (a sum over the rows) within 1e-4 of its largest value."""
     from fastft.reference import rms_norm as reference
 
     rows, width = randint(g, 1, max_tokens), randint(g, 1, 300)
@@ -383,7 +383,7 @@ def check_rms_norm(g: torch.Generator, device, max_tokens: int) -> None:
     gated = randint(g, 0, 2)
     z = (torch.randn(rows, width, generator=g) * 2).to(device).requires_grad_()
     if gated:
-        kw.update(gate=z, gate_first=gated == 2)
+        kw.update(gate=z, gate_first=gated == 2, gate_activation=("silu", "sigmoid")[randint(g, 0, 1)])
     grad = torch.randn(rows, width, generator=g).to(device)
     out = fastft.rms_norm(x, w, **kw)
     expected = reference.rms_norm(x, w, **kw)

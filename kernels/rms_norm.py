@@ -5,7 +5,8 @@ each row once and writes the output and the row's fp32 ``r``. The backward reads
 and ``r`` once and writes ``x``'s gradient; where the weight's gradient is asked, each program walks a run of
 tiles (software-pipelined), summing it in fp32 registers, and writes one row of partial sums ``[programs, H]``
 that the caller adds up (a fixed order: the same bits on every run). With a gate z (``GATE`` 1: ``silu(z)``
-scales the output, 2: the input), z is read with x and its gradient written with x's. Launch wrappers take
+scales the output, 2: the input; ``SIGMOID``: ``sigmoid(z)`` in its place), z is read with x and its gradient
+written with x's. Launch wrappers take
 explicit launch parameters; choosing them is fastft.rms_norm's job. Row offsets are int64.
 """
 
@@ -33,6 +34,7 @@ def _rms_norm_forward_kernel(
     eps,
     offset,
     GATE: tl.constexpr,
+    SIGMOID: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -42,7 +44,10 @@ def _rms_norm_forward_kernel(
     x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
     if GATE:
         z = tl.load(z_ptr + r[:, None] * stride_z + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = z * tl.sigmoid(z)
+        if SIGMOID:
+            s = tl.sigmoid(z)
+        else:
+            s = z * tl.sigmoid(z)
         if GATE == 2:
             x = x * s
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / width + eps)
@@ -75,6 +80,7 @@ def _rms_norm_backward_kernel(
     tiles_per_program,
     DW: tl.constexpr,
     GATE: tl.constexpr,
+    SIGMOID: tl.constexpr,
     STAGES: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -94,8 +100,12 @@ def _rms_norm_backward_kernel(
         if GATE:
             z = tl.load(z_ptr + r[:, None] * stride_z + c[None, :], mask=mask, other=0.0).to(tl.float32)
             sig = tl.sigmoid(z)
-            s = z * sig
-            ds = sig * (1.0 + z * (1.0 - sig))
+            if SIGMOID:
+                s = sig
+                ds = sig * (1.0 - sig)
+            else:
+                s = z * sig
+                ds = sig * (1.0 + z * (1.0 - sig))
             if GATE == 1:
                 e = dy * s
             else:
@@ -135,6 +145,7 @@ def rms_norm_forward(
     offset: float,
     gate: torch.Tensor | None = None,
     gate_first: bool = False,
+    gate_activation: str = "silu",
     *,
     TILE: int,
     num_warps: int,
@@ -163,6 +174,7 @@ def rms_norm_forward(
             eps,
             offset,
             GATE=_gate(gate, gate_first),
+            SIGMOID=gate is not None and gate_activation == "sigmoid",
             BLOCK_R=block_r,
             BLOCK_H=block_h,
             num_warps=num_warps,
@@ -179,6 +191,7 @@ def rms_norm_backward(
     grad_weight: bool,
     gate: torch.Tensor | None = None,
     gate_first: bool = False,
+    gate_activation: str = "silu",
     *,
     programs: int,
     stages: int,
@@ -220,6 +233,7 @@ def rms_norm_backward(
             per,
             DW=grad_weight,
             GATE=_gate(gate, gate_first),
+            SIGMOID=gate is not None and gate_activation == "sigmoid",
             STAGES=stages,
             BLOCK_R=block_r,
             BLOCK_H=block_h,

@@ -116,12 +116,13 @@ def test_other_forms_and_instance_patches_are_left_and_named():
     assert "forward" in patched.__dict__  # the other library's patch stays
 
 
-# family -> its gated norm class and the form fastft reads (eps attribute, offset, weight of x's dtype, gate first;
-# whether it normalises groups: from transformers 5.24 Mamba-2's do, one group here)
+# family -> its gated norm class, the form fastft reads (eps attribute, offset, weight of x's dtype, gate first;
+# whether it normalises groups: from transformers 5.24 Mamba-2's do, one group here) and the gate's activation
 GATED = {
-    "qwen3_5_text": ("Qwen3_5RMSNormGated", ("variance_epsilon", 0.0, False, False)),
-    "bamba": ("BambaRMSNormGated", ("variance_epsilon", 0.0, True, True)),
-    "granitemoehybrid": ("GraniteMoeHybridRMSNormGated", ("variance_epsilon", 0.0, True, True)),
+    "qwen3_5_text": ("Qwen3_5RMSNormGated", ("variance_epsilon", 0.0, False, False), "silu"),
+    "kimi_linear": ("KimiLinearRMSNormGated", ("variance_epsilon", 0.0, False, False), "sigmoid"),
+    "bamba": ("BambaRMSNormGated", ("variance_epsilon", 0.0, True, True), "silu"),
+    "granitemoehybrid": ("GraniteMoeHybridRMSNormGated", ("variance_epsilon", 0.0, True, True), "silu"),
 }
 
 
@@ -130,7 +131,7 @@ GATED = {
 def test_gated_norms_train_as_the_models_own(model_type, monkeypatch):
     """The mixers' gated norms (``norm(x, gate)``) run fastft.rms_norm with the gate: loss and every gradient as
     the model's own step; evaluation and generation untouched."""
-    name, form = GATED[model_type]
+    name, form, activation = GATED[model_type]
 
     def build():
         model = tiny(model_type, **HYBRIDS[model_type]).train()
@@ -154,6 +155,7 @@ def test_gated_norms_train_as_the_models_own(model_type, monkeypatch):
     got = step(model, ids)
     gates = [k for k in calls if k["gate"] is not None]
     assert len(gates) == len(gated) and {k["gate_first"] for k in gates} == {form[3]}
+    assert {k["gate_activation"] for k in gates} == {activation}
     torch.testing.assert_close(got[0], want[0], **FP32)
     assert got[1].keys() == want[1].keys()
     for param_name in want[1]:
@@ -168,8 +170,9 @@ def test_gated_norms_train_as_the_models_own(model_type, monkeypatch):
 
 def test_gated_norms_of_other_forms_or_calls_keep_their_own_forward():
     """A gated norm called without a gate where its form needs one or with a gate of another shape: the class's
-    forward, and so one of transformers 5.24's grouped forms with two groups a row. Kimi's (a sigmoid gate) and
-    Nemotron-H's (two groups a row): left, and named."""
+    forward, and so one of transformers 5.24's grouped forms with two groups a row, and a norm whose activation
+    was changed to one fastft has not. Nemotron-H's (two groups a row) and a gated form with another activation:
+    left, and named."""
     model = tiny("qwen3_5_text", **HYBRIDS["qwen3_5_text"]).train()
     ft_hf.use_rms_norm(model)
     norm = model.model.layers[0].linear_attn.norm
@@ -187,9 +190,13 @@ def test_gated_norms_of_other_forms_or_calls_keep_their_own_forward():
     nemotron = tiny("nemotron_h", **HYBRIDS["nemotron_h"]).train()  # two groups a row
     left = ft_hf.use_rms_norm(nemotron)[1]
     assert [name for name in left if name.endswith("RMSNormGated")], left
-    kimi = tiny("kimi_linear", **HYBRIDS["kimi_linear"]).train()  # its form, with a sigmoid gate
-    kimi_norms = [m for m in kimi.modules() if type(m).__name__ == "KimiLinearRMSNormGated"]
-    assert kimi_norms and all(
-        ft_norms.gated_form(type(m)) is not None and m.activation == "sigmoid" for m in kimi_norms
-    )
-    assert "KimiLinearRMSNormGated" in ft_hf.use_rms_norm(kimi)[1]
+    for changed_after in (False, True):
+        kimi = tiny("kimi_linear", **HYBRIDS["kimi_linear"]).train()
+        norm = next(m for m in kimi.modules() if type(m).__name__ == "KimiLinearRMSNormGated")
+        if not changed_after:  # the form, with an activation fastft.rms_norm has not
+            norm.activation = "gelu"
+        left = ft_hf.use_rms_norm(kimi)[1]
+        assert ("KimiLinearRMSNormGated" in left) != changed_after and ("forward" in norm.__dict__) == changed_after
+        norm.activation = "gelu"  # after use_rms_norm: the class's forward
+        x, z = torch.randn(6, norm.weight.shape[0]), torch.randn(6, norm.weight.shape[0])
+        assert torch.equal(norm(x, z), type(norm).forward(norm, x, z))

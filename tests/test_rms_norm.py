@@ -21,7 +21,17 @@ BACKENDS = ["triton", "torch"]
 FP32 = dict(atol=1e-5, rtol=1e-5)
 
 
-GATES = [None, False, True]  # no gate; silu(gate) after the norm; before it (gate_first)
+# no gate; silu(gate) after the norm (Qwen3.5), before it (gate_first: Mamba-2); sigmoid(gate) after it (Kimi)
+# and before it
+GATES = [None, (False, "silu"), (True, "silu"), (False, "sigmoid"), (True, "sigmoid")]
+
+
+def _first(gate) -> bool:
+    return gate is not None and gate[0]
+
+
+def _act(gate) -> str:
+    return "silu" if gate is None else gate[1]
 
 
 def _outputs(fn, x, w, grad, gate=None, **kw):
@@ -30,12 +40,13 @@ def _outputs(fn, x, w, grad, gate=None, **kw):
     return [out, *torch.autograd.grad(out, leaves, grad)]
 
 
-def _check(x, w, backend, *, eps=1e-6, offset=0.0, gate=None, gate_first=False, seed=None):
+def _check(x, w, backend, *, eps=1e-6, offset=0.0, gate=None, gate_first=False, gate_activation="silu", seed=None):
     """The op against the reference in fp64: within twice the reference's own error in the inputs' dtype plus
     1e-5 (fp32) or one ulp (bf16/fp16) of the largest value."""
     g = torch.Generator().manual_seed(0 if seed is None else seed)
     grad = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
-    kw = dict(eps=eps, offset=offset, **(dict(gate_first=gate_first) if gate is not None else {}))
+    gated = dict(gate_first=gate_first, gate_activation=gate_activation) if gate is not None else {}
+    kw = dict(eps=eps, offset=offset, **gated)
     got = _outputs(fastft.rms_norm, x, w, grad, gate, backend=backend, **kw)
     exact = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in (x, w, gate)]
     want = _outputs(reference.rms_norm, *exact[:2], grad.double(), exact[2], **kw)
@@ -55,13 +66,12 @@ def test_backward_formula_is_autograd(rng):
     z = (torch.randn(7, 19, generator=rng) * 2).requires_grad_()
     dy = torch.randn(7, 19, generator=rng)
     for offset in (0.0, 1.0):
-        for gate_first in GATES:
-            gate = None if gate_first is None else z
-            first = bool(gate_first)
-            out = reference.rms_norm(x, w, 1e-5, offset, gate, first)
+        for kind in GATES:
+            gate, first, act = None if kind is None else z, _first(kind), _act(kind)
+            out = reference.rms_norm(x, w, 1e-5, offset, gate, first, act)
             want = torch.autograd.grad(out, [t for t in (x, w, gate) if t is not None], dy)
-            rstd = reference.rms_norm_rstd(x, 1e-5, gate, first)
-            got = reference.rms_norm_backward(dy, x, w, rstd, offset, gate, first)
+            rstd = reference.rms_norm_rstd(x, 1e-5, gate, first, act)
+            got = reference.rms_norm_backward(dy, x, w, rstd, offset, gate, first, act)
             assert (got[2] is None) == (gate is None)
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, **FP32)
@@ -84,9 +94,11 @@ def test_reference_is_the_transformers_modules(rng):
 
 
 def test_reference_is_the_transformers_gated_modules(rng):
-    """Qwen3.5's gated norm (``silu(gate)`` after the norm) and Mamba-2's (before it) in fp32."""
+    """Qwen3.5's gated norm (``silu(gate)`` after the norm), Mamba-2's (before it) and Kimi-Linear's
+    (``sigmoid(gate)`` after it) in fp32."""
     qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
     mamba2 = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
     x, z = torch.randn(5, 3, 24, generator=rng), torch.randn(5, 3, 24, generator=rng) * 2
     grouped = "group_size" in inspect.signature(mamba2.MambaRMSNormGated).parameters  # transformers 5.24's
     before = mamba2.MambaRMSNormGated(24, **(dict(group_size=24) if grouped else {}), eps=1e-5)  # one group
@@ -98,6 +110,12 @@ def test_reference_is_the_transformers_gated_modules(rng):
     torch.testing.assert_close(
         reference.rms_norm(x, before.weight, 1e-5, gate=z, gate_first=True), before(x, z), **FP32
     )
+    sigmoid = kimi.KimiLinearRMSNormGated(24, eps=1e-5)
+    with torch.no_grad():
+        sigmoid.weight.normal_(generator=rng)
+    assert sigmoid.activation == "sigmoid"
+    want = sigmoid(x, z)
+    torch.testing.assert_close(reference.rms_norm(x, sigmoid.weight, 1e-5, gate=z, gate_activation="sigmoid"), want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -119,7 +137,9 @@ def test_matches_reference(backend, device, rows, width, lead, offset, eps, froz
     x = x.to(device).requires_grad_()
     w = torch.randn(width, generator=g).to(device).requires_grad_(not frozen)
     z = None if gate is None else (torch.randn(x.shape, generator=g) * 2).to(device).requires_grad_()
-    _check(x, w, backend, eps=eps, offset=offset, gate=z, gate_first=bool(gate), seed=seed)
+    _check(
+        x, w, backend, eps=eps, offset=offset, gate=z, gate_first=_first(gate), gate_activation=_act(gate), seed=seed
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -132,6 +152,7 @@ def test_half_precision_within_stock_error(backend, device, rng, dtype):
     z = torch.randn(50, 96, generator=rng).to(device, dtype).requires_grad_()
     _check(x, w, backend, gate=z)
     _check(x, w, backend, gate=z.float().detach().requires_grad_(), gate_first=True)  # an fp32 gate
+    _check(x, w.float().detach().requires_grad_(), backend, gate=z, gate_activation="sigmoid")  # Kimi's
 
 
 @pytest.mark.parametrize("tile", [16, 32, 128])
@@ -142,9 +163,10 @@ def test_forward_kernel_tiles(device, rng, tile, gate):
     x = torch.randn(37, 20, generator=rng).to(device)
     w = torch.randn(20, generator=rng).to(device)
     z = None if gate is None else torch.randn(37, 40, generator=rng).to(device)[:, ::2].contiguous()
-    out, rstd = kernels.rms_norm_forward(x, w, 1e-6, 1.0, z, bool(gate), TILE=tile, num_warps=1)
-    torch.testing.assert_close(out, reference.rms_norm(x, w, 1e-6, 1.0, z, bool(gate)), **FP32)
-    torch.testing.assert_close(rstd, reference.rms_norm_rstd(x, 1e-6, z, bool(gate)), **FP32)
+    first, act = _first(gate), _act(gate)
+    out, rstd = kernels.rms_norm_forward(x, w, 1e-6, 1.0, z, first, act, TILE=tile, num_warps=1)
+    torch.testing.assert_close(out, reference.rms_norm(x, w, 1e-6, 1.0, z, first, act), **FP32)
+    torch.testing.assert_close(rstd, reference.rms_norm_rstd(x, 1e-6, z, first, act), **FP32)
 
 
 @pytest.mark.parametrize("programs, tile", [(1, 32), (2, 32), (5, 64), (100, 16)])
@@ -157,18 +179,19 @@ def test_backward_kernel_programs_and_tiles(device, rng, programs, tile, gate):
     w = torch.randn(20, generator=rng).to(device)
     dy = torch.randn(37, 20, generator=rng).to(device)
     z = None if gate is None else torch.randn(37, 20, generator=rng).to(device)
-    rstd = reference.rms_norm_rstd(x, 1e-6, z, bool(gate))
-    want = reference.rms_norm_backward(dy, x, w, rstd, 1.0, z, bool(gate))
+    first, act = _first(gate), _act(gate)
+    rstd = reference.rms_norm_rstd(x, 1e-6, z, first, act)
+    want = reference.rms_norm_backward(dy, x, w, rstd, 1.0, z, first, act)
     kw = dict(programs=programs, TILE=tile, num_warps=1)
     for stages in (1, 3):
-        dx, dw, dz = kernels.rms_norm_backward(dy, x, w, rstd, 1.0, True, z, bool(gate), stages=stages, **kw)
+        dx, dw, dz = kernels.rms_norm_backward(dy, x, w, rstd, 1.0, True, z, first, act, stages=stages, **kw)
         torch.testing.assert_close(dx, want[0], **FP32)
         torch.testing.assert_close(dw, want[1], **FP32)
         if gate is None:
             assert dz is None
         else:
             torch.testing.assert_close(dz, want[2], **FP32)
-    dx, dw, _ = kernels.rms_norm_backward(dy, x, w, rstd, 1.0, False, z, bool(gate), stages=2, **kw)
+    dx, dw, _ = kernels.rms_norm_backward(dy, x, w, rstd, 1.0, False, z, first, act, stages=2, **kw)
     torch.testing.assert_close(dx, want[0], **FP32)
     assert dw.numel() == 0
 
@@ -200,12 +223,13 @@ def test_custom_op_opcheck(backend, device, rng):
     x = torch.randn(9, 12, generator=rng).to(device)
     w = torch.randn(12, generator=rng).to(device)
     z = torch.randn(9, 12, generator=rng).to(device)
-    for gate, first in ((None, False), (z, False), (z, True)):
-        torch.library.opcheck(rn.rms_norm_op.op, (x, w, gate, 1e-6, 1.0, first, backend))
-        rstd = reference.rms_norm_rstd(x, 1e-6, gate, first)
+    for kind in GATES:
+        gate, first, act = None if kind is None else z, _first(kind), _act(kind)
+        torch.library.opcheck(rn.rms_norm_op.op, (x, w, gate, 1e-6, 1.0, first, act, backend))
+        rstd = reference.rms_norm_rstd(x, 1e-6, gate, first, act)
         for grad_weight in (True, False):
             dy = torch.randn(9, 12, generator=rng).to(device)
-            args = (dy, x, w, gate, rstd, 0.0, first, grad_weight, backend)
+            args = (dy, x, w, gate, rstd, 0.0, first, act, grad_weight, backend)
             torch.library.opcheck(rn.rms_norm_backward_op.op, args)
 
 
@@ -230,6 +254,21 @@ def test_argument_checks(rng):
         (ValueError, "gate must have x's shape \\(3, 4\\)", lambda: call(x, w, gate=x[:2])),
         (TypeError, "gate_first must be True or False", lambda: call(x, w, gate=x, gate_first="yes")),
         (ValueError, "gate_first=True gates the input before the norm: give gate", lambda: call(x, w, gate_first=True)),
+        (
+            TypeError,
+            "gate_activation must be 'silu' or 'sigmoid', got NoneType",
+            lambda: call(x, w, gate=x, gate_activation=None),
+        ),
+        (
+            ValueError,
+            "gate_activation must be 'silu' or 'sigmoid', got 'gelu'",
+            lambda: call(x, w, gate=x, gate_activation="gelu"),
+        ),
+        (
+            ValueError,
+            "gate_activation='sigmoid' is the gate's activation: give gate",
+            lambda: call(x, w, gate_activation="sigmoid"),
+        ),
     ]
     for error, match, fn in cases:
         with pytest.raises(error, match=match):
@@ -244,11 +283,16 @@ def test_bf16_at_real_widths_without_host_sync(rng):
         x = torch.randn(shape, generator=rng).to("cuda", torch.bfloat16).requires_grad_()
         w = (1 + torch.randn(shape[-1], generator=rng) * 0.1).to("cuda", torch.bfloat16).requires_grad_()
         _check(x, w, "triton")
-    # Qwen3.5's gated norm (32 value heads of 128) and Granite-4.0-H's (3,072 channels)
-    for shape, first in (((16384, 32, 128), False), ((16384, 3072), True)):
+    # Qwen3.5's gated norm (32 value heads of 128), Granite-4.0-H's (3,072 channels), Kimi-Linear's (32 heads
+    # of 128, a sigmoid gate)
+    for shape, first, act in (
+        ((16384, 32, 128), False, "silu"),
+        ((16384, 3072), True, "silu"),
+        ((16384, 32, 128), False, "sigmoid"),
+    ):
         x, z = (torch.randn(shape, generator=rng).to("cuda", torch.bfloat16).requires_grad_() for _ in range(2))
         w = (1 + torch.randn(shape[-1], generator=rng) * 0.1).to("cuda", torch.bfloat16).requires_grad_()
-        _check(x, w, "triton", gate=z, gate_first=first)
+        _check(x, w, "triton", gate=z, gate_first=first, gate_activation=act)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

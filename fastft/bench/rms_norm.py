@@ -1,7 +1,8 @@
 """Benchmark for fastft.rms_norm: the RMSNorm layers of a 16k-token step at the e2e models' widths (a decoder
-layer's hidden rows; Qwen3's per-head query norm; the gated norms after Qwen3.5's delta rule and Granite-4.0-H's
-scan), forward and forward + backward, against transformers' modules as they are written (Llama's and Qwen3's
-norm; Qwen3.5's ``1 + weight``; Qwen3.5's and Mamba-2's gated norms), bf16 rows, the weights frozen (LoRA) and
+layer's hidden rows; Qwen3's per-head query norm; the gated norms after Qwen3.5's and Kimi-Linear's delta rules
+and Granite-4.0-H's scan), forward and forward + backward, against transformers' modules as they are written
+(Llama's and Qwen3's norm; Qwen3.5's ``1 + weight``; Qwen3.5's, Kimi-Linear's and Mamba-2's gated norms), bf16
+rows, the weights frozen (LoRA) and
 trained. Time, traffic against the HBM floor (a device copy's bandwidth), and peak memory."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .common import Row, copy_gbs, fwd_and_bwd
 BASELINE = "transformers' RMSNorm (torch ops)"
 
 # name -> (rows, width, offset: 0 Llama's form, 1 Gemma's / Qwen3.5's, the weight trained: a full fine-tune,
-# the gate: None, "after" the norm (Qwen3.5's) or "first" (Mamba-2's))
+# the gate: None, silu(gate) "after" the norm (Qwen3.5's) or "first" (Mamba-2's), "sigmoid" after it (Kimi's))
 SHAPES = {
     "Qwen3-8B hidden": (16384, 4096, 0.0, False, None),
     "Qwen3-8B hidden, trained weight": (16384, 4096, 0.0, True, None),
@@ -25,12 +26,18 @@ SHAPES = {
     "Qwen3.5 hidden": (16384, 4096, 1.0, False, None),
     "Qwen3.5 gated, value heads": (16384 * 32, 128, 0.0, False, "after"),
     "Granite-4.0-H gated": (16384, 3072, 0.0, False, "first"),
+    "Kimi-Linear gated, heads": (16384 * 32, 128, 0.0, False, "sigmoid"),
 }
 
 
 def transformers_norm(x, weight, eps: float, offset: float, gate=None, where=None) -> torch.Tensor:
     """``LlamaRMSNorm.forward`` (offset 0), ``Qwen3_5RMSNorm.forward`` (offset 1), ``Qwen3_5RMSNormGated.forward``
-    (a gate after) and ``MambaRMSNormGated.forward`` (a gate first) as transformers writes them."""
+    (a gate after), ``MambaRMSNormGated.forward`` (a gate first) and ``KimiLinearRMSNormGated.forward`` (a sigmoid
+    gate after) as transformers writes them."""
+    if where == "sigmoid":
+        xf = x.to(torch.float32)
+        xf = weight.to(torch.float32) * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
+        return (xf * torch.sigmoid(gate.to(torch.float32))).to(x.dtype)
     if where == "after":
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -55,6 +62,8 @@ def run(device: torch.device, quick: bool) -> list[Row]:
     copy_bw = copy_gbs(device)
     rows = []
     shapes = SHAPES if gpu else {"tiny": (48, 24, 0.0, True, None), "tiny gated": (48, 24, 0.0, False, "first")}
+    if not gpu:
+        shapes["tiny sigmoid-gated"] = (48, 24, 0.0, False, "sigmoid")
     for name, (count, width, offset, trained, where) in shapes.items():
         count = count // 16 if quick and gpu else count
         g = torch.Generator().manual_seed(0)
@@ -62,7 +71,8 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         w = (1 + 0.1 * torch.randn(width, generator=g)).to(device, dtype).requires_grad_(trained)
         z = torch.randn(count, width, generator=g).to(device, dtype).requires_grad_() if where else None
         grad = torch.randn(count, width, generator=g).to(device, dtype)
-        gate = dict(gate=z, gate_first=where == "first") if where else {}
+        activation = "sigmoid" if where == "sigmoid" else "silu"
+        gate = dict(gate=z, gate_first=where == "first", gate_activation=activation) if where else {}
         forwards = {
             "ours": lambda: fastft.rms_norm(x, w, 1e-6, offset=offset, **gate),
             BASELINE: lambda: transformers_norm(x, w, 1e-6, offset, z, where),
@@ -82,7 +92,9 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         ):
             if note:
                 note += f"; peak {peak['ours']:.2f} GiB vs {peak[BASELINE]:.2f} GiB"
-            form = ("1 + weight" if offset else "weight") + (f", silu(gate) {where}" if where else "")
+            form = ("1 + weight" if offset else "weight") + (
+                f", {activation}(gate) {'first' if where == 'first' else 'after'}" if where else ""
+            )
             case = f"{name}: {count} rows x H={width} ({form}), {dtype}, {mode}"
             rows.append(Row("rms_norm", case, BASELINE, ms[BASELINE], ms["ours"], backend, note))
     return rows

@@ -11,6 +11,8 @@ With a ``gate`` z (x's shape), the gated norms of the linear-attention and state
     gate_first=False:  out = x * r * (weight + offset) * silu(z)              Qwen3.5's, Qwen3-Next's
     gate_first=True:   u = x * silu(z);  out = u * r_u * (weight + offset)    Mamba-2's (Granite-4.0-H, Bamba)
 
+``gate_activation="sigmoid"`` puts ``sigmoid(z)`` in place of ``silu(z)`` (Kimi-Linear's, after the norm).
+
 ``rms_norm_backward`` is the torch backend's gradient: that derivative written out (tested against autograd).
 """
 
@@ -23,9 +25,13 @@ def _compute(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _gated_input(x, gate, gate_first, compute):
+def _activation(z: torch.Tensor, gate_activation: str) -> torch.Tensor:
+    return torch.sigmoid(z) if gate_activation == "sigmoid" else torch.nn.functional.silu(z)
+
+
+def _gated_input(x, gate, gate_first, gate_activation, compute):
     xf = x.to(compute)
-    return xf * torch.nn.functional.silu(gate.to(compute)) if gate is not None and gate_first else xf
+    return xf * _activation(gate.to(compute), gate_activation) if gate is not None and gate_first else xf
 
 
 def rms_norm(
@@ -35,24 +41,29 @@ def rms_norm(
     offset: float = 0.0,
     gate: torch.Tensor | None = None,
     gate_first: bool = False,
+    gate_activation: str = "silu",
 ) -> torch.Tensor:
     """``x`` ``[..., H]`` normalised by its root mean square over the last dim, times ``weight + offset``
-    (``weight`` ``[H]``), gated by ``silu(gate)`` after the norm or, with ``gate_first``, before it; computed
-    in fp32 (fp64 inputs: fp64), returned in ``x``'s dtype."""
+    (``weight`` ``[H]``), gated by ``silu(gate)`` (or ``sigmoid(gate)``) after the norm or, with ``gate_first``,
+    before it; computed in fp32 (fp64 inputs: fp64), returned in ``x``'s dtype."""
     compute = _compute(x)
-    u = _gated_input(x, gate, gate_first, compute)
+    u = _gated_input(x, gate, gate_first, gate_activation, compute)
     out = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps) * (weight.to(compute) + offset)
     if gate is not None and not gate_first:
-        out = out * torch.nn.functional.silu(gate.to(compute))
+        out = out * _activation(gate.to(compute), gate_activation)
     return out.to(x.dtype)
 
 
 def rms_norm_rstd(
-    x: torch.Tensor, eps: float, gate: torch.Tensor | None = None, gate_first: bool = False
+    x: torch.Tensor,
+    eps: float,
+    gate: torch.Tensor | None = None,
+    gate_first: bool = False,
+    gate_activation: str = "silu",
 ) -> torch.Tensor:
     """Each row's fp32 ``r`` ``[R]`` of ``x`` ``[R, H]`` (of ``x * silu(gate)`` with ``gate_first``): what the
     forward keeps for the backward."""
-    return torch.rsqrt(_gated_input(x, gate, gate_first, torch.float32).pow(2).mean(-1) + eps)
+    return torch.rsqrt(_gated_input(x, gate, gate_first, gate_activation, torch.float32).pow(2).mean(-1) + eps)
 
 
 def rms_norm_backward(
@@ -63,19 +74,24 @@ def rms_norm_backward(
     offset: float,
     gate: torch.Tensor | None = None,
     gate_first: bool = False,
+    gate_activation: str = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``x``'s gradient (x's dtype), ``weight``'s (fp32) and ``gate``'s (its dtype; None without a gate) from the
     output's ``dy`` ``[R, H]``. With ``u`` the normalised input (``x``, or ``x s`` with ``gate_first``, where
     ``s = silu(z)``), ``n = u r``, ``e`` the output's gradient before the gate after the norm (``dy s``, else
     ``dy``) and ``g = e (weight + offset)``: ``du = r (g - n mean(g n))``, ``dweight = sum over rows of e n``;
     ``dx = du`` (``du s`` with ``gate_first``); ``dz = dy n (weight + offset) silu'(z)`` after the norm,
-    ``du x silu'(z)`` before it, with ``silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z)))``."""
+    ``du x silu'(z)`` before it, with ``silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z)))`` (a sigmoid gate:
+    ``s = sigmoid(z)``, ``s' = s (1 - s)``)."""
     w = weight.float() + offset
     xf, dyf = x.float(), dy.float()
     if gate is not None:
         z = gate.float()
         sig = torch.sigmoid(z)
-        s, ds = z * sig, sig * (1 + z * (1 - sig))
+        if gate_activation == "sigmoid":
+            s, ds = sig, sig * (1 - sig)
+        else:
+            s, ds = z * sig, sig * (1 + z * (1 - sig))
     u = xf * s if gate is not None and gate_first else xf
     n = u * rstd[:, None]
     e = dyf * s if gate is not None and not gate_first else dyf

@@ -11,7 +11,8 @@ forward (and its ``_norm``) and takes the forms whose math is ``fastft.rms_norm`
 - Moshi's: the same without the 1;
 - the gated norms of the linear-attention and state-space mixers (``norm(x, gate)``): Qwen3.5's, Qwen3-Next's
   and OLMo-Hybrid's (the gate's activation after the norm, ``self.weight * x.to(input_dtype)`` rounded once
-  more), the same with the weight in fp32, each where ``self.activation`` is SiLU (Kimi's is a sigmoid: left);
+  more), the same with the weight in fp32 (Kimi-Linear's), each where ``self.activation`` is SiLU or a sigmoid
+  (Kimi-Linear's);
   Mamba-2's, Bamba's and Granite-4.0-H's (``silu(gate)`` before the norm, or no gate), where the weight has the
   input's dtype; from transformers 5.24 these normalise groups of ``group_size`` channels: fastft takes them
   where a group is the whole row (one group, as Granite-4.0-H's). Other grouped forms (Falcon-H1's,
@@ -96,7 +97,8 @@ _GATED_FORMS = {
     _GATE_FIRST.format(norm=_WHOLE): ("variance_epsilon", 0.0, True, True, False),
     _GATE_FIRST.format(norm=_GROUPS): ("variance_epsilon", 0.0, True, True, True),
 }
-_SILU = ("silu", "swish")
+# a gated form's ``self.activation`` -> fastft.rms_norm's gate_activation
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "sigmoid": "sigmoid"}
 
 
 @functools.cache
@@ -119,14 +121,21 @@ def gated_form(cls) -> tuple[str, float, bool, bool, bool] | None:
     return None if forward is None else _GATED_FORMS.get(forward)
 
 
+def _gate_activation(module, gate_first: bool) -> str | None:
+    """The gate's activation of a gated form (fastft.rms_norm's name), or None where fastft has not that one:
+    SiLU for the gate-first forms, else the module's ``activation`` (SiLU or sigmoid)."""
+    return "silu" if gate_first else _ACTIVATIONS.get(getattr(module, "activation", None))
+
+
 def _takes(module) -> bool:
-    """Whether fastft takes ``module``'s forward: a plain form, or a gated one gated by SiLU (in one group)."""
+    """Whether fastft takes ``module``'s forward: a plain form, or a gated one gated by SiLU or a sigmoid (in one
+    group)."""
     if norm_form(type(module)) is not None:
         return True
     form = gated_form(type(module))
     if form is None or (form[4] and getattr(module, "group_size", None) != module.weight.shape[-1]):
         return False
-    return form[3] or getattr(module, "activation", None) in _SILU
+    return _gate_activation(module, form[3]) is not None
 
 
 def is_rms_norm(module) -> bool:
@@ -142,7 +151,7 @@ def _norm_forward(self, *args, **kwargs):
     if form is not None:
         if len(args) != 1 or kwargs:
             return type(self).forward(self, *args, **kwargs)
-        (hidden_states,), gate, gate_first = args, None, False
+        (hidden_states,), gate, gate_first, activation = args, None, False, "silu"
     else:
         eps_name, offset, same_dtype, gate_first, grouped = gated_form(type(self))
         form = eps_name, offset, same_dtype
@@ -158,7 +167,11 @@ def _norm_forward(self, *args, **kwargs):
             not isinstance(gate, torch.Tensor) or gate.dtype not in _DTYPES or gate.shape != hidden_states.shape
         ):
             return type(self).forward(self, *args, **kwargs)
+        activation = _gate_activation(self, gate_first)
+        if activation is None:  # an activation set on the module since apply
+            return type(self).forward(self, *args, **kwargs)
         gate_first = gate_first and gate is not None
+        activation = activation if gate is not None else "silu"
     eps_name, offset, same_dtype = form
     weight = self.weight
     if (
@@ -173,7 +186,10 @@ def _norm_forward(self, *args, **kwargs):
         or type(weight).__name__ == "DTensor"
     ):
         return type(self).forward(self, *args, **kwargs)
-    return rms_norm(hidden_states, weight, getattr(self, eps_name), offset=offset, gate=gate, gate_first=gate_first)
+    eps = getattr(self, eps_name)
+    return rms_norm(
+        hidden_states, weight, eps, offset=offset, gate=gate, gate_first=gate_first, gate_activation=activation
+    )
 
 
 def use_rms_norm(model) -> tuple[int, list[str]]:
