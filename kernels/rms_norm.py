@@ -6,8 +6,8 @@ and ``r`` once and writes ``x``'s gradient; where the weight's gradient is asked
 tiles (software-pipelined), summing it in fp32 registers, and writes one row of partial sums ``[programs, H]``
 that the caller adds up (a fixed order: the same bits on every run). With a gate z (``GATE`` 1: ``silu(z)``
 scales the output, 2: the input; ``SIGMOID``: ``sigmoid(z)`` in its place), z is read with x and its gradient
-written with x's. Launch wrappers take
-explicit launch parameters; choosing them is fastft.rms_norm's job. Row offsets are int64.
+written with x's. Launch wrappers take explicit launch parameters; choosing them is fastft.rms_norm's job. Row
+offsets are int64.
 """
 
 from __future__ import annotations

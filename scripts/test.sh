@@ -26,6 +26,6 @@ if [ $# -eq 0 ]; then
   set -- tests/test_integrations_*.py tests/test_examples.py tests/test_versions.py
 fi
 FASTFT_BACKEND=${FASTFT_BACKEND:-$backend} PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest -q -p no:cacheprovider "$@"
-if [ "$gpu" = 0 ]; then  # no GPU: every kernel the first run launched, compiled for H100/H200 (sm_90)
-  "$PY" scripts/compile_kernels.py compile "$launches" --arch 90
+if [ "$gpu" = 0 ]; then  # no GPU: every kernel the first run launched, compiled for H100/H200 and A100
+  "$PY" scripts/compile_kernels.py compile "$launches" --arch 90 80
 fi

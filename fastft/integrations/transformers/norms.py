@@ -11,8 +11,7 @@ forward (and its ``_norm``) and takes the forms whose math is ``fastft.rms_norm`
 - Moshi's: the same without the 1;
 - the gated norms of the linear-attention and state-space mixers (``norm(x, gate)``): Qwen3.5's, Qwen3-Next's
   and OLMo-Hybrid's (the gate's activation after the norm, ``self.weight * x.to(input_dtype)`` rounded once
-  more), the same with the weight in fp32 (Kimi-Linear's), each where ``self.activation`` is SiLU or a sigmoid
-  (Kimi-Linear's);
+  more), the same with the weight in fp32 (Kimi-Linear's), each where ``self.activation`` is SiLU or a sigmoid;
   Mamba-2's, Bamba's and Granite-4.0-H's (``silu(gate)`` before the norm, or no gate), where the weight has the
   input's dtype; from transformers 5.24 these normalise groups of ``group_size`` channels: fastft takes them
   where a group is the whole row (one group, as Granite-4.0-H's). Other grouped forms (Falcon-H1's,
@@ -171,7 +170,6 @@ def _norm_forward(self, *args, **kwargs):
         if activation is None:  # an activation set on the module since apply
             return type(self).forward(self, *args, **kwargs)
         gate_first = gate_first and gate is not None
-        activation = activation if gate is not None else "silu"
     eps_name, offset, same_dtype = form
     weight = self.weight
     if (
