@@ -263,6 +263,17 @@ def test_clear_of_router_ties_draws_until_no_token_is_near_a_tie(family, rng):
         testing.clear_of_router_ties(model, draw, tries=3)
     dense = testing.tiny_hf_model("llama")
     assert testing.clear_of_router_ties(dense, draw) is draws[-1]  # no router: the first batch
+    for kwargs, error, match in [
+        (dict(margin=-1e-4), ValueError, "margin must be a finite number >= 0, got -0.0001"),
+        (dict(margin=float("nan")), ValueError, "margin must be a finite number >= 0"),
+        (dict(margin="1e-4"), ValueError, "margin must be a finite number >= 0"),
+        (dict(tries=0), ValueError, "tries must be an int >= 1, got 0"),
+        (dict(tries=2.0), ValueError, "tries must be an int >= 1"),
+        (dict(draw=draws[-1]), TypeError, "draw must be callable, got dict"),
+        (dict(model=draws[-1]), TypeError, "model must be a torch.nn.Module, got dict"),
+    ]:
+        with pytest.raises(error, match=match):
+            testing.clear_of_router_ties(**{"model": model, "draw": draw, **kwargs})
 
 
 def test_differential_gives_each_callable_its_own_namedtuples_and_dataclasses():
