@@ -50,16 +50,17 @@ OP_SCAN = dispatch.register("ssd.state_scan")
 # Launch parameters only; dispatched with the forward.
 OP_SCAN_BACKWARD = "ssd.state_scan_backward"
 # Keyed by the entering states' elements (H * chunks * P * N). Defaults: 1024 state elements per program (8
-# programs per head of 64 x 128); ``tune`` measures Nemotron-H / Granite-4.0-H widths (128 heads of 64 x 128)
-# at T=8192 and 32768. The interpreter's 64 keeps the programs few (each costs the interpreter milliseconds);
-# tests/test_ssd.py runs the kernels with 8 elements a program too.
+# programs per head of 64 x 128), each chunk's loads issued two chunks ahead (``stages``: with few programs, as
+# Granite-4.0-H's 48 heads, they wait out the loads' latency otherwise); ``tune`` measures Nemotron-H /
+# Granite-4.0-H widths (128 heads of 64 x 128) at T=8192 and 32768. The interpreter's 64 keeps the programs few
+# (each costs the interpreter milliseconds); tests/test_ssd.py runs the kernels with 8 elements a program too.
 for _op in (OP_SCAN, OP_SCAN_BACKWARD):
     autotune.register(
         _op,
         autotune.Tunable(
-            {"BLOCK": 1024, "num_warps": 4},
+            {"BLOCK": 1024, "num_warps": 4, "stages": 3},
             sizes=(128 * 129 * 64 * 128, 128 * 513 * 64 * 128),
-            grid={"BLOCK": (256, 512, 1024, 2048), "num_warps": (2, 4, 8)},
+            grid={"BLOCK": (256, 512, 1024, 2048), "num_warps": (2, 4, 8), "stages": (1, 3)},
             interpreter={"BLOCK": 64},
         ),
     )

@@ -5,7 +5,8 @@ the intra-chunk part.
 specification): for each head, chunk after chunk, the state entering the chunk (zeroed where ``first``) and the
 state leaving it, ``state * decay + local``, where ``local`` is the state the chunk leaves from a zero entering
 state. Every element of the state evolves alone (the decay is a scalar per head and chunk, or one per element),
-so one program owns a block of ``BLOCK`` elements of one head's state for the whole scan.
+so one program owns a block of ``BLOCK`` elements of one head's state for the whole scan, its loads issued
+``stages - 1`` chunks ahead (software pipelining).
 
 ``state_scan_backward`` runs the chunks in reverse, carrying ``dT``, the gradient of the state leaving a chunk
 (0 after the last chunk, and 0 leaving a chunk whose next one starts a document): for chunk i, with ``S`` its
@@ -50,13 +51,21 @@ from ._launch import cdiv, dot_precision, launch, next_power_of_2
 
 @triton.jit
 def _state_scan_kernel(
-    local_ptr, decay_ptr, first_ptr, states_ptr, NC, E, PER_ELEMENT: tl.constexpr, BLOCK: tl.constexpr
+    local_ptr,
+    decay_ptr,
+    first_ptr,
+    states_ptr,
+    NC,
+    E,
+    PER_ELEMENT: tl.constexpr,
+    STAGES: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     i_h = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < E
     state = tl.zeros([BLOCK], dtype=tl.float32)
-    for c in range(NC):
+    for c in tl.range(NC, num_stages=STAGES):
         chunk = i_h * NC + c
         first = tl.load(first_ptr + c)
         state = tl.where(first != 0, 0.0, state)
@@ -81,6 +90,7 @@ def _state_scan_backward_kernel(
     NC,
     E,
     PER_ELEMENT: tl.constexpr,
+    STAGES: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     i_h = tl.program_id(0).to(tl.int64)
@@ -88,7 +98,7 @@ def _state_scan_backward_kernel(
     offs = i_b * BLOCK + tl.arange(0, BLOCK)
     mask = offs < E
     dT = tl.zeros([BLOCK], dtype=tl.float32)  # the gradient of the state leaving the chunk
-    for r in range(NC):
+    for r in tl.range(NC, num_stages=STAGES):
         c = NC - 1 - r
         chunk = i_h * NC + c
         tl.store(dlocal_ptr + chunk * E + offs, dT, mask=mask)
@@ -107,7 +117,13 @@ def _state_scan_backward_kernel(
 
 
 def state_scan(
-    local: torch.Tensor, decay: torch.Tensor, first: torch.Tensor, *, BLOCK: int = 1024, num_warps: int = 4
+    local: torch.Tensor,
+    decay: torch.Tensor,
+    first: torch.Tensor,
+    *,
+    BLOCK: int = 1024,
+    num_warps: int = 4,
+    stages: int = 1,
 ) -> torch.Tensor:
     """states ``[H, NC, E]`` fp32: the state entering each chunk, for fp32 local ``[H, NC, E]``, decay
     ``[H, NC]`` (one per chunk) or ``[H, NC, E]`` (one per element) and bool first ``[NC]``."""
@@ -126,6 +142,7 @@ def state_scan(
         nc,
         e,
         PER_ELEMENT=decay.dim() == 3,
+        STAGES=stages,
         BLOCK=BLOCK,
         num_warps=num_warps,
     )
@@ -140,6 +157,7 @@ def state_scan_backward(
     *,
     BLOCK: int = 1024,
     num_warps: int = 4,
+    stages: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dlocal ``[H, NC, E]``, ddecay of decay's shape) fp32 for ``state_scan``'s decay and first, its output
     states and their gradient dstates."""
@@ -164,6 +182,7 @@ def state_scan_backward(
         nc,
         e,
         PER_ELEMENT=per_element,
+        STAGES=stages,
         BLOCK=BLOCK,
         num_warps=num_warps,
     )
