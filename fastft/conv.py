@@ -122,7 +122,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     x, weight, bias, pos = ctx.saved_tensors
-    dx, dweight, dbias = conv_backward_op.op(grad.contiguous(), x, weight, bias, pos, ctx.silu, ctx.backend)
+    dx, dweight, dbias = conv_backward_op(grad.contiguous(), x, weight, bias, pos, ctx.silu, ctx.backend)
     return dx, dweight, None if bias is None else dbias, None, None, None
 
 

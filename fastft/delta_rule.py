@@ -422,7 +422,7 @@ def _backward(ctx, dstates, dv_new):
     w, k_decayed, chunk_decay, first, states, v_new = ctx.saved_tensors
     dstates = torch.zeros_like(states) if dstates is None else dstates
     dv_new = torch.zeros_like(v_new) if dv_new is None else dv_new
-    dw, du, dk_decayed, ddecay = chunk_scan_backward_op.op(
+    dw, du, dk_decayed, ddecay = chunk_scan_backward_op(
         w, k_decayed, chunk_decay, first, states, v_new, dstates, dv_new
     )
     return dw, du, dk_decayed, ddecay, None
@@ -549,6 +549,6 @@ class _TritonChunks(torch.autograd.Function):
     def _backward(ctx, d_out):
         query, key, value, beta, first, t, w, u, k_decayed, chunk_decay, cum, states, v_new = ctx.saved_tensors
         dq, dk_out, dcum, dstates, dv_new = output_backward_op(query, key, cum, states, v_new, d_out)
-        dw, du, dkd, dcd = chunk_scan_backward_op.op(w, k_decayed, chunk_decay, first, states, v_new, dstates, dv_new)
+        dw, du, dkd, dcd = chunk_scan_backward_op(w, k_decayed, chunk_decay, first, states, v_new, dstates, dv_new)
         dk, dv, dbeta, ddecay = intra_backward_op(key, value, beta, cum, t, u, w, du, dw, dkd, dcd, dk_out, dcum)
         return dq, dk, dv, dbeta, ddecay, None

@@ -130,7 +130,7 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad, _grad_rstd):
     x, weight, gate, rstd = ctx.saved_tensors
     offset, gate_first, gate_activation, backend = ctx.args
-    dx, dw, dz = rms_norm_backward_op.op(
+    dx, dw, dz = rms_norm_backward_op(
         grad.contiguous(), x, weight, gate, rstd, offset, gate_first, gate_activation, ctx.grad_weight, backend
     )
     return dx, (dw if ctx.grad_weight else None), (dz if gate is not None else None), None, None, None, None, None

@@ -95,7 +95,7 @@ def _backward(ctx, grad_q, grad_k):
         torch.zeros(shape, dtype=dtype, device=device) if g is None else _unit(g)
         for g, (shape, dtype, device) in zip((grad_q, grad_k), ctx.inputs)
     ]
-    dq, dk = rotary_backward_op.op(*grads, cos, sin, *ctx.args)
+    dq, dk = rotary_backward_op(*grads, cos, sin, *ctx.args)
     return dq, dk, None, None, None, None
 
 

@@ -262,7 +262,7 @@ def _permute_setup(ctx, inputs, output):
 
 def _permute_backward(ctx, grad):
     sorted_pair, inverse = ctx.saved_tensors
-    return unpermute_op.op(grad.contiguous(), sorted_pair, inverse, None, ctx.backend), None, None, None
+    return unpermute_op(grad.contiguous(), sorted_pair, inverse, None, ctx.backend), None, None, None
 
 
 def _unpermute_setup(ctx, inputs, output):
@@ -275,8 +275,8 @@ def _unpermute_backward(ctx, grad):
     ys, sorted_pair, inverse, weights = ctx.saved_tensors
     grad = grad.contiguous()
     if weights is None:
-        return permute_op.op(grad, sorted_pair, inverse, ctx.backend), None, None, None, None
-    dys, dweights = unpermute_backward_op.op(grad, ys, sorted_pair, inverse, weights, ctx.backend)
+        return permute_op(grad, sorted_pair, inverse, ctx.backend), None, None, None, None
+    dys, dweights = unpermute_backward_op(grad, ys, sorted_pair, inverse, weights, ctx.backend)
     return dys, None, None, dweights, None
 
 
@@ -287,7 +287,7 @@ def _expert_rows_setup(ctx, inputs, output):
 
 def _expert_rows_backward(ctx, grad):
     counts, padded_offsets = ctx.saved_tensors
-    return expert_rows_backward_op.op(grad.contiguous(), counts, padded_offsets, ctx.backend), *(None,) * 6
+    return expert_rows_backward_op(grad.contiguous(), counts, padded_offsets, ctx.backend), *(None,) * 6
 
 
 permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)

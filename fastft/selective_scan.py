@@ -273,7 +273,7 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, dy):
-    grads = selective_scan_backward_op.op(*ctx.saved_tensors, dy, ctx.chunk_size)
+    grads = selective_scan_backward_op(*ctx.saved_tensors, dy, ctx.chunk_size)
     return (*grads, None, None, None, None)
 
 

@@ -247,7 +247,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dstates):
     decay, first, states = ctx.saved_tensors
-    dlocal, ddecay = state_scan_backward_op.op(decay, first, states, dstates)
+    dlocal, ddecay = state_scan_backward_op(decay, first, states, dstates)
     return dlocal, ddecay, None
 
 
@@ -488,6 +488,6 @@ def _chunks_backward(x, a, b, c, first, decay, states, dy, bc_exact=False):
     n = b.shape[-1]
     dy = dy.contiguous()
     dcum, dstates, dc_off = output_backward_op(dy, a, c, states.view(h, nc, p, n), bc_exact)
-    dlocal, ddecay = state_scan_backward_op.op(decay, first, states, dstates.view(h, nc, p * n))
+    dlocal, ddecay = state_scan_backward_op(decay, first, states, dstates.view(h, nc, p * n))
     dx, db, dc, da = intra_backward_op(x, a, b, c, dy, dlocal.view(h, nc, p, n), ddecay, dcum, bc_exact)
     return dx, da, db, dc + dc_off

@@ -137,7 +137,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     (x,) = ctx.saved_tensors
-    return swiglu_backward_op.op(grad.contiguous(), x, *ctx.args), None, None, None, None, None, None
+    return swiglu_backward_op(grad.contiguous(), x, *ctx.args), None, None, None, None, None, None
 
 
 swiglu_op.register_autograd(_backward, setup_context=_setup)
@@ -202,7 +202,7 @@ def _pair_setup(ctx, inputs, output):
 
 def _pair_backward(ctx, grad):
     gate, up = ctx.saved_tensors
-    dgate, dup = swiglu_pair_backward_op.op(grad.contiguous(), gate, up, *ctx.args)
+    dgate, dup = swiglu_pair_backward_op(grad.contiguous(), gate, up, *ctx.args)
     return dgate, dup, None, None, None, None, None
 
 
