@@ -5,6 +5,7 @@
     out = fastft.rms_norm(core, norm.weight, norm.variance_epsilon, gate=z)        # Qwen3.5's gated norm
     out = fastft.rms_norm(y, norm.weight, norm.variance_epsilon, gate=z, gate_first=True)  # Mamba-2's
     out = fastft.rms_norm(o, norm.weight, norm.variance_epsilon, gate=g, gate_activation="sigmoid")  # Kimi's
+    out = fastft.rms_norm(y, norm.weight, eps, gate=z, gate_first=True, group_size=1024)  # Nemotron-H's groups
 
 transformers' RMSNorm modules spell it in torch: an fp32 copy of ``x``, its square, the mean, ``rsqrt``, two
 products and two casts, each a kernel reading and writing ``[tokens, H]`` (in fp32 for most), and autograd keeps
@@ -24,7 +25,7 @@ from typing import Optional
 import torch
 
 from . import autotune, dispatch
-from ._checks import bool_arg, finite_arg
+from ._checks import bool_arg, finite_arg, int_arg
 from ._custom_op import custom_op
 from .reference import rms_norm as reference
 
@@ -65,24 +66,26 @@ def rms_norm_op(
     offset: float,
     gate_first: bool,
     gate_activation: str,
+    group_size: int,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output ``[R, H]`` in ``x.dtype`` and each row's fp32 ``r`` ``[R]`` of ``x`` ``[R, H]`` (unit column
-    stride), ``weight`` ``[H]`` (contiguous) and ``gate`` (x's shape, unit column stride, or None)."""
-    if backend == "torch" or x.shape[1] > MAX_WIDTH:
+    """The output ``[R, H]`` in ``x.dtype`` and the fp32 ``r`` ``[R * H / group_size]`` of each row's groups of
+    ``x`` ``[R, H]`` (unit column stride), ``weight`` ``[H]`` (contiguous) and ``gate`` (x's shape, unit column
+    stride, or None)."""
+    if backend == "torch" or group_size > MAX_WIDTH:
         return (
-            reference.rms_norm(x, weight, eps, offset, gate, gate_first, gate_activation),
-            reference.rms_norm_rstd(x, eps, gate, gate_first, gate_activation),
+            reference.rms_norm(x, weight, eps, offset, gate, gate_first, gate_activation, group_size),
+            reference.rms_norm_rstd(x, eps, gate, gate_first, gate_activation, group_size),
         )
     from .kernels import rms_norm as kernels
 
-    params = autotune.params(OP_RMS_NORM, x.device, x.shape[1])
-    return kernels.rms_norm_forward(x, weight, eps, offset, gate, gate_first, gate_activation, **params)
+    params = autotune.params(OP_RMS_NORM, x.device, group_size)
+    return kernels.rms_norm_forward(x, weight, eps, offset, gate, gate_first, gate_activation, group_size, **params)
 
 
 @rms_norm_op.register_fake
-def _(x, weight, gate, eps, offset, gate_first, gate_activation, backend):
-    return x.new_empty(x.shape), x.new_empty(x.shape[0], dtype=torch.float32)
+def _(x, weight, gate, eps, offset, gate_first, gate_activation, group_size, backend):
+    return x.new_empty(x.shape), x.new_empty(x.shape[0] * (x.shape[1] // group_size), dtype=torch.float32)
 
 
 @custom_op("fastft::rms_norm_backward")
@@ -95,19 +98,22 @@ def rms_norm_backward_op(
     offset: float,
     gate_first: bool,
     gate_activation: str,
+    group_size: int,
     grad_weight: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x``'s gradient (its dtype), with ``grad_weight`` ``weight``'s (its dtype; else an empty tensor) and the
     gate's (its dtype; an empty tensor without one) from the output's ``dy`` ``[R, H]`` (unit column stride)."""
-    if backend == "torch" or x.shape[1] > MAX_WIDTH:
-        dx, dw, dz = reference.rms_norm_backward(dy, x, weight, rstd, offset, gate, gate_first, gate_activation)
+    if backend == "torch" or group_size > MAX_WIDTH:
+        dx, dw, dz = reference.rms_norm_backward(
+            dy, x, weight, rstd, offset, gate, gate_first, gate_activation, group_size
+        )
     else:
         from .kernels import rms_norm as kernels
 
-        params = autotune.params(OP_RMS_NORM_BACKWARD, x.device, x.shape[1])
+        params = autotune.params(OP_RMS_NORM_BACKWARD, x.device, group_size)
         dx, dw, dz = kernels.rms_norm_backward(
-            dy, x, weight, rstd, offset, grad_weight, gate, gate_first, gate_activation,
+            dy, x, weight, rstd, offset, grad_weight, gate, gate_first, gate_activation, group_size,
             programs=_programs(x.device), stages=STAGES, **params,
         )  # fmt: skip
     dw = dw.to(weight.dtype) if grad_weight else weight.new_empty(0)
@@ -115,25 +121,26 @@ def rms_norm_backward_op(
 
 
 @rms_norm_backward_op.register_fake
-def _(dy, x, weight, gate, rstd, offset, gate_first, gate_activation, grad_weight, backend):
+def _(dy, x, weight, gate, rstd, offset, gate_first, gate_activation, group_size, grad_weight, backend):
     dz = x.new_empty(0) if gate is None else gate.new_empty(gate.shape)
     return x.new_empty(x.shape), weight.new_empty(weight.shape if grad_weight else (0,)), dz
 
 
 def _setup(ctx, inputs, output):
-    x, weight, gate, eps, offset, gate_first, gate_activation, backend = inputs
-    ctx.args = (offset, gate_first, gate_activation, backend)
+    x, weight, gate, eps, offset, gate_first, gate_activation, group_size, backend = inputs
+    ctx.args = (offset, gate_first, gate_activation, group_size, backend)
     ctx.grad_weight = ctx.needs_input_grad[1]
     ctx.save_for_backward(x, weight, gate, output[1])
 
 
 def _backward(ctx, grad, _grad_rstd):
     x, weight, gate, rstd = ctx.saved_tensors
-    offset, gate_first, gate_activation, backend = ctx.args
+    offset, gate_first, gate_activation, group_size, backend = ctx.args
     dx, dw, dz = rms_norm_backward_op(
-        grad.contiguous(), x, weight, gate, rstd, offset, gate_first, gate_activation, ctx.grad_weight, backend
-    )
-    return dx, (dw if ctx.grad_weight else None), (dz if gate is not None else None), None, None, None, None, None
+        grad.contiguous(), x, weight, gate, rstd, offset, gate_first, gate_activation, group_size, ctx.grad_weight,
+        backend,
+    )  # fmt: skip
+    return dx, (dw if ctx.grad_weight else None), (dz if gate is not None else None), *(None,) * 6
 
 
 rms_norm_op.register_autograd(_backward, setup_context=_setup)
@@ -151,12 +158,14 @@ def rms_norm(
     gate: torch.Tensor | None = None,
     gate_first: bool = False,
     gate_activation: str = "silu",
+    group_size: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """``x * rsqrt(mean(x^2) + eps) * (weight + offset)`` over ``x``'s last dim, computed in fp32 and returned
     in ``x``'s dtype (see the module docstring); with ``gate``, times ``silu(gate)`` or, with ``gate_first``,
     of ``x * silu(gate)`` (the gated norms of Qwen3.5's and Mamba-2's mixers); ``gate_activation="sigmoid"``:
-    ``sigmoid(gate)`` in place of ``silu(gate)`` (Kimi-Linear's).
+    ``sigmoid(gate)`` in place of ``silu(gate)`` (Kimi-Linear's); ``group_size``: each row normalised in groups
+    of that many channels (Nemotron-H's and Zamba2's gated norms; default: the whole row).
 
     ``x``: ``[..., H]`` fp32, bf16 or fp16, any strides; ``weight``: ``[H]`` in any of these dtypes, on ``x``'s
     device; ``gate``: x's shape, any of these dtypes, or None. Differentiable in ``x``, ``weight`` (whose
@@ -165,11 +174,12 @@ def rms_norm(
     ``FASTFT_BACKEND``). No GPU sync.
 
     Raises ``TypeError`` for non-tensors, dtypes other than these, an ``eps`` or ``offset`` that is not a
-    number, a ``gate_first`` that is not a bool, a ``gate_activation`` that is not a string; ``ValueError`` for
+    number, a ``gate_first`` that is not a bool, a ``gate_activation`` that is not a string, a ``group_size``
+    that is not an int or None; ``ValueError`` for
     a 0-d ``x``, a ``weight`` that is not ``[H]``, a ``gate`` not of x's shape, tensors on different devices, an
     ``eps`` that is negative or not finite, a non-finite ``offset``, ``gate_first`` or a ``gate_activation``
-    other than ``"silu"`` without a gate, a ``gate_activation`` other than ``"silu"`` and ``"sigmoid"``, an
-    unknown backend.
+    other than ``"silu"`` without a gate, a ``gate_activation`` other than ``"silu"`` and ``"sigmoid"``, a
+    ``group_size`` below 1 or not dividing H, an unknown backend.
     """
     named = (("x", x), ("weight", weight)) + ((("gate", gate),) if gate is not None else ())
     for name, t in named:
@@ -199,13 +209,19 @@ def rms_norm(
         raise ValueError(f"gate_activation must be 'silu' or 'sigmoid', got {gate_activation!r}")
     if gate_activation != "silu" and gate is None:
         raise ValueError(f"gate_activation={gate_activation!r} is the gate's activation: give gate")
-    chosen = dispatch.backend_for(OP_RMS_NORM, x.device, backend)
     width = x.shape[-1]
+    if group_size is not None:
+        group_size = int_arg("group_size", group_size, minimum=1)
+        if width % group_size:
+            raise ValueError(f"group_size must divide x's last dim {width}, got {group_size}")
+    chosen = dispatch.backend_for(OP_RMS_NORM, x.device, backend)
     if x.numel() == 0:
-        return reference.rms_norm(x, weight, eps, offset, gate, gate_first, gate_activation)
+        return reference.rms_norm(x, weight, eps, offset, gate, gate_first, gate_activation, group_size)
     rows = _rows(x, width)
     gate_rows = None if gate is None else _rows(gate, width)
-    out, _ = rms_norm_op(rows, weight.contiguous(), gate_rows, eps, offset, gate_first, gate_activation, chosen)
+    out, _ = rms_norm_op(
+        rows, weight.contiguous(), gate_rows, eps, offset, gate_first, gate_activation, group_size or width, chosen
+    )
     return out.view(x.shape)
 
 

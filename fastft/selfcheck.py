@@ -372,14 +372,18 @@ def check_conv(g: torch.Generator, device, max_tokens: int) -> None:
 
 def check_rms_norm(g: torch.Generator, device, max_tokens: int) -> None:
     """``fastft.rms_norm`` on the dispatched backend against ``fastft.reference.rms_norm`` on random rows,
-    widths, offsets, eps and gates (none, after the norm, before it; SiLU or sigmoid): the output and x's and the
-    gate's gradients fp32 within 1e-5; the weight's (a sum over the rows) within 1e-4 of its largest value."""
+    widths, offsets, eps, gates (none, after the norm, before it; SiLU or sigmoid) and groups: the output and x's
+    and the gate's gradients fp32 within 1e-5; the weight's (a sum over the rows) within 1e-4 of its largest
+    value."""
     from fastft.reference import rms_norm as reference
 
-    rows, width = randint(g, 1, max_tokens), randint(g, 1, 300)
+    rows, group_size, groups = randint(g, 1, max_tokens), randint(g, 1, 300), randint(g, 1, 4)
+    width = group_size * groups
     x = (torch.randn(rows, width, generator=g) * 2).to(device).requires_grad_()
     w = torch.randn(width, generator=g).to(device).requires_grad_()
     kw = dict(eps=(1e-6, 1e-5, 0.0)[randint(g, 0, 2)], offset=(0.0, 1.0)[randint(g, 0, 1)])
+    if groups > 1:
+        kw.update(group_size=group_size)
     gated = randint(g, 0, 2)
     z = (torch.randn(rows, width, generator=g) * 2).to(device).requires_grad_()
     if gated:

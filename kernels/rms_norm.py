@@ -1,13 +1,15 @@
 """Triton kernels for fastft.rms_norm (spec: fastft/reference/rms_norm.py).
 
-Tiles of whole rows (``BLOCK_H``, a power of two at least the width) by ``BLOCK_R`` rows. The forward reads
-each row once and writes the output and the row's fp32 ``r``. The backward reads ``x``, the output's gradient
-and ``r`` once and writes ``x``'s gradient; where the weight's gradient is asked, each program walks a run of
-tiles (software-pipelined), summing it in fp32 registers, and writes one row of partial sums ``[programs, H]``
-that the caller adds up (a fixed order: the same bits on every run). With a gate z (``GATE`` 1: ``silu(z)``
-scales the output, 2: the input; ``SIGMOID``: ``sigmoid(z)`` in its place), z is read with x and its gradient
-written with x's. Launch wrappers take explicit launch parameters; choosing them is fastft.rms_norm's job. Row
-offsets are int64.
+Tiles of whole rows (``BLOCK_H``, a power of two at least the width) by ``BLOCK_R`` rows. A row normalised in
+groups of ``width`` channels (Nemotron-H's and Zamba2's gated norms) is ``groups`` such rows side by side: the
+second axis of the grid names the group, whose channels (and weight) start at ``group * width``. The forward
+reads each row once and writes the output and the row's fp32 ``r`` (``[rows, groups]``). The backward reads
+``x``, the output's gradient and ``r`` once and writes ``x``'s gradient; where the weight's gradient is asked,
+each program walks a run of one group's tiles (software-pipelined), summing it in fp32 registers, and writes
+its share of a row of partial sums ``[programs, H]`` that the caller adds up (a fixed order: the same bits on
+every run). With a gate z (``GATE`` 1: ``silu(z)`` scales the output, 2: the input; ``SIGMOID``: ``sigmoid(z)``
+in its place), z is read with x and its gradient written with x's. Launch wrappers take explicit launch
+parameters; choosing them is fastft.rms_norm's job. Row offsets are int64.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def _rms_norm_forward_kernel(
     rstd_ptr,
     rows,
     width,
+    groups,
     stride_x,
     stride_z,
     stride_out,
@@ -39,7 +42,12 @@ def _rms_norm_forward_kernel(
     BLOCK_H: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    group = tl.program_id(1)
     c = tl.arange(0, BLOCK_H)
+    x_ptr += group * width
+    z_ptr += group * width
+    w_ptr += group * width
+    out_ptr += group * width
     mask = (r < rows)[:, None] & (c < width)[None, :]
     x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
     if GATE:
@@ -50,13 +58,15 @@ def _rms_norm_forward_kernel(
             s = z * tl.sigmoid(z)
         if GATE == 2:
             x = x * s
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / width + eps)
+    # 1 / sqrt, each correctly rounded (torch's rounding): sm90's rsqrt is approximate, and a row of one channel
+    # (or a group of one) normalises to +-1 with a gradient that is a cancellation scaled by r.
+    rstd = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.sqrt_rn(tl.sum(x * x, axis=1) / width + eps))
     w = tl.load(w_ptr + c, mask=c < width, other=0.0).to(tl.float32) + offset
     y = x * rstd[:, None] * w[None, :]
     if GATE == 1:
         y = y * s
     tl.store(out_ptr + r[:, None] * stride_out + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + r, rstd, mask=r < rows)
+    tl.store(rstd_ptr + r * groups + group, rstd, mask=r < rows)
 
 
 @triton.jit(do_not_specialize=["rows", "tiles_per_program"])
@@ -71,6 +81,7 @@ def _rms_norm_backward_kernel(
     dw_ptr,
     rows,
     width,
+    groups,
     stride_dy,
     stride_x,
     stride_z,
@@ -86,7 +97,14 @@ def _rms_norm_backward_kernel(
     BLOCK_H: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    group = tl.program_id(1)
     c = tl.arange(0, BLOCK_H)
+    dy_ptr += group * width
+    x_ptr += group * width
+    z_ptr += group * width
+    w_ptr += group * width
+    dx_ptr += group * width
+    dz_ptr += group * width
     w = tl.load(w_ptr + c, mask=c < width, other=0.0).to(tl.float32) + offset
     acc = tl.zeros((BLOCK_H,), tl.float32)
     for i in tl.range(tiles_per_program, num_stages=STAGES):
@@ -94,7 +112,7 @@ def _rms_norm_backward_kernel(
         mask = (r < rows)[:, None] & (c < width)[None, :]
         x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + r[:, None] * stride_dy + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + r, mask=r < rows, other=0.0)
+        rstd = tl.load(rstd_ptr + r * groups + group, mask=r < rows, other=0.0)
         u = x
         e = dy  # the output's gradient before a gate after the norm
         if GATE:
@@ -126,7 +144,7 @@ def _rms_norm_backward_kernel(
         if DW:
             acc += tl.sum(e * n, axis=0)
     if DW:
-        tl.store(dw_ptr + pid.to(tl.int64) * width + c, acc, mask=c < width)
+        tl.store(dw_ptr + pid.to(tl.int64) * width * groups + group * width + c, acc, mask=c < width)
 
 
 def _blocks(width: int, TILE: int) -> tuple[int, int]:
@@ -146,21 +164,25 @@ def rms_norm_forward(
     gate: torch.Tensor | None = None,
     gate_first: bool = False,
     gate_activation: str = "silu",
+    group_size: int | None = None,
     *,
     TILE: int,
     num_warps: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output ``[R, H]`` (``x``'s dtype) and each row's fp32 ``r`` ``[R]`` of ``x`` ``[R, H]`` (unit column
+    """The output ``[R, H]`` (``x``'s dtype) and the fp32 ``r`` ``[R * G]`` of each row's each group of
+    ``group_size`` channels (G = H / group_size; default: the whole row) of ``x`` ``[R, H]`` (unit column
     stride) and ``weight`` ``[H]`` (contiguous), gated by ``gate`` (x's shape, unit column stride, or None) as
     ``fastft.reference.rms_norm`` says; tiles of about ``TILE`` elements."""
-    rows, width = x.shape
-    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
-    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    rows, full = x.shape
+    width = group_size or full
+    groups = full // width
+    out = torch.empty((rows, full), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(rows * groups, dtype=torch.float32, device=x.device)
     block_r, block_h = _blocks(width, TILE)
     if rows:
         launch(
             _rms_norm_forward_kernel,
-            (cdiv(rows, block_r),),
+            (cdiv(rows, block_r), groups),
             x,
             x if gate is None else gate,
             weight,
@@ -168,6 +190,7 @@ def rms_norm_forward(
             rstd,
             rows,
             width,
+            groups,
             x.stride(0),
             0 if gate is None else gate.stride(0),
             out.stride(0),
@@ -192,6 +215,7 @@ def rms_norm_backward(
     gate: torch.Tensor | None = None,
     gate_first: bool = False,
     gate_activation: str = "silu",
+    group_size: int | None = None,
     *,
     programs: int,
     stages: int,
@@ -199,21 +223,24 @@ def rms_norm_backward(
     num_warps: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``x``'s gradient (its dtype), with ``grad_weight`` ``weight``'s in fp32 (else an empty tensor), and the
-    gate's (its dtype; None without one), from the output's ``dy`` ``[R, H]`` (unit column stride); with
-    ``grad_weight`` at most ``programs`` programs, each summing its rows' share of ``weight``'s gradient, their
-    loads ``stages - 1`` tiles ahead (without, a program a tile)."""
-    rows, width = x.shape
-    dx = torch.empty((rows, width), dtype=x.dtype, device=x.device)
-    dz = None if gate is None else torch.empty((rows, width), dtype=gate.dtype, device=x.device)
+    gate's (its dtype; None without one), from the output's ``dy`` ``[R, H]`` (unit column stride) and the
+    forward's ``rstd``; with ``grad_weight`` at most ``programs`` programs, each summing its rows' share of
+    ``weight``'s gradient (of one group), their loads ``stages - 1`` tiles ahead (without, a program a tile)."""
+    rows, full = x.shape
+    width = group_size or full
+    groups = full // width
+    dx = torch.empty((rows, full), dtype=x.dtype, device=x.device)
+    dz = None if gate is None else torch.empty((rows, full), dtype=gate.dtype, device=x.device)
     block_r, block_h = _blocks(width, TILE)
     tiles = cdiv(rows, block_r)
-    per = cdiv(tiles, max(1, min(programs, tiles))) if grad_weight else 1  # no sums to keep: a program a tile
+    programs = max(1, min(programs // groups, tiles))
+    per = cdiv(tiles, programs) if grad_weight else 1  # no sums to keep: a program a tile
     grid = cdiv(tiles, per) if rows else 0
-    partial = torch.empty((grid, width) if grad_weight else (0,), dtype=torch.float32, device=x.device)
+    partial = torch.empty((grid, full) if grad_weight else (0,), dtype=torch.float32, device=x.device)
     if rows:
         launch(
             _rms_norm_backward_kernel,
-            (grid,),
+            (grid, groups),
             dy,
             x,
             x if gate is None else gate,
@@ -224,6 +251,7 @@ def rms_norm_backward(
             partial,
             rows,
             width,
+            groups,
             dy.stride(0),
             x.stride(0),
             0 if gate is None else gate.stride(0),
@@ -241,4 +269,4 @@ def rms_norm_backward(
         )
     if not grad_weight:
         return dx, partial, dz
-    return dx, partial.sum(0) if rows else torch.zeros(width, dtype=torch.float32, device=x.device), dz
+    return dx, partial.sum(0) if rows else torch.zeros(full, dtype=torch.float32, device=x.device), dz

@@ -148,11 +148,12 @@ def rms_norm_case(device, g):
     return _grads(fastft.rms_norm(x, w, offset=1.0), [x, w], 4)
 
 
-def gated_rms_norm_case(gate_first, activation="silu"):
+def gated_rms_norm_case(gate_first, activation="silu", group_size=None):
     def case(device, g):
         x, z = (torch.randn(300, 96, generator=g).to(device, torch.bfloat16).requires_grad_() for _ in range(2))
         w = torch.randn(96, generator=g).to(device, torch.bfloat16).requires_grad_()
-        out = fastft.rms_norm(x, w, gate=z, gate_first=gate_first, gate_activation=activation)
+        kw = dict(gate=z, gate_first=gate_first, gate_activation=activation, group_size=group_size)
+        out = fastft.rms_norm(x, w, **kw)
         return _grads(out, [x, w, z], 4)
 
     return case
@@ -266,6 +267,7 @@ FLOAT_CASES = {
     "rms_norm gated": gated_rms_norm_case(False),
     "rms_norm gated first": gated_rms_norm_case(True),
     "rms_norm sigmoid-gated": gated_rms_norm_case(False, "sigmoid"),
+    "rms_norm gated in groups": gated_rms_norm_case(True, group_size=32),
     "rotary": rotary_case,
     "swiglu apart": swiglu_pair_case,
     "linear_cross_entropy": linear_cross_entropy_case,

@@ -1,6 +1,7 @@
 """fastft.integrations.transformers.norms: a model's RMSNorm layers through fastft.rms_norm in training forwards
 (tiny transformers models): each form fastft takes (Llama's, OLMo-2's, Gemma's 1 + weight, the gated norms of
-Qwen3.5's and Mamba-2's mixers) trains as the model's own, loss and every gradient; evaluation and
+Qwen3.5's, Kimi-Linear's and the Mamba-2 hybrids' mixers, in groups for Nemotron-H, Zamba2 and Falcon-H1) trains
+as the model's own, loss and every gradient; evaluation and
 generation untouched; a weight of another dtype, a norm of another form, another library's instance patch left on
 their own forward (apply says which); revert."""
 
@@ -116,25 +117,31 @@ def test_other_forms_and_instance_patches_are_left_and_named():
     assert "forward" in patched.__dict__  # the other library's patch stays
 
 
-# family -> its gated norm class, the form fastft reads (eps attribute, offset, weight of x's dtype, gate first;
-# whether it normalises groups: from transformers 5.24 Mamba-2's do, one group here) and the gate's activation
+# case -> (family, config fields beside HYBRIDS', the gate first, channels a group (None: the whole row), the
+# gate's activation) of its gated norms (the classes named ...RMSNormGated)
 GATED = {
-    "qwen3_5_text": ("Qwen3_5RMSNormGated", ("variance_epsilon", 0.0, False, False), "silu"),
-    "kimi_linear": ("KimiLinearRMSNormGated", ("variance_epsilon", 0.0, False, False), "sigmoid"),
-    "bamba": ("BambaRMSNormGated", ("variance_epsilon", 0.0, True, True), "silu"),
-    "granitemoehybrid": ("GraniteMoeHybridRMSNormGated", ("variance_epsilon", 0.0, True, True), "silu"),
-}
+    "qwen3_5_text": ("qwen3_5_text", {}, False, None, "silu"),
+    "kimi_linear": ("kimi_linear", {}, False, None, "sigmoid"),
+    "bamba": ("bamba", {}, True, None, "silu"),
+    "granitemoehybrid": ("granitemoehybrid", {}, True, None, "silu"),
+    "nemotron_h": ("nemotron_h", {}, True, 32, "silu"),  # 64 channels in 2 groups
+    "zamba2": ("zamba2", dict(mamba_ngroups=2), True, 32, "silu"),  # 64 channels in 2 groups
+    "falcon_h1": ("falcon_h1", dict(mamba_rms_norm=True, mamba_n_groups=2), False, 32, "silu"),
+    "falcon_h1 gate first": (
+        "falcon_h1", dict(mamba_rms_norm=True, mamba_n_groups=2, mamba_norm_before_gate=False), True, 32, "silu"
+    ),
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("model_type", sorted(GATED))
+@pytest.mark.parametrize("case", sorted(GATED))
 @pytest.mark.usefixtures("transformers_torch_delta_rule")
-def test_gated_norms_train_as_the_models_own(model_type, monkeypatch):
-    """The mixers' gated norms (``norm(x, gate)``) run fastft.rms_norm with the gate: loss and every gradient as
-    the model's own step; evaluation and generation untouched."""
-    name, form, activation = GATED[model_type]
+def test_gated_norms_train_as_the_models_own(case, monkeypatch):
+    """The mixers' gated norms (``norm(x, gate)``) run fastft.rms_norm with the gate (in groups where theirs
+    are): loss and every gradient as the model's own step; evaluation and generation untouched."""
+    model_type, fields, first, group_size, activation = GATED[case]
 
     def build():
-        model = tiny(model_type, **HYBRIDS[model_type]).train()
+        model = tiny(model_type, **{**HYBRIDS[model_type], **fields}).train()
         torch.manual_seed(0)
         with torch.no_grad():
             for param_name, p in model.named_parameters():
@@ -145,17 +152,18 @@ def test_gated_norms_train_as_the_models_own(model_type, monkeypatch):
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     want = step(build(), ids)
     model = build()
-    gated = [m for m in model.modules() if type(m).__name__ == name]
-    assert gated and all(ft_norms.gated_form(type(m))[:4] == form for m in gated)
+    gated = [m for m in model.modules() if type(m).__name__.endswith("RMSNormGated")]
+    assert gated and all(ft_norms.gated_form(type(m)) is not None for m in gated)
     calls = []
     op = ft_norms.rms_norm
     monkeypatch.setattr(ft_norms, "rms_norm", lambda *a, **k: calls.append(k) or op(*a, **k))
     taken, left = ft_hf.use_rms_norm(model)
-    assert name not in left and all("forward" in m.__dict__ for m in gated)
+    assert not [n for n in left if n.endswith("RMSNormGated")] and all("forward" in m.__dict__ for m in gated)
     got = step(model, ids)
     gates = [k for k in calls if k["gate"] is not None]
-    assert len(gates) == len(gated) and {k["gate_first"] for k in gates} == {form[3]}
+    assert len(gates) == len(gated) and {k["gate_first"] for k in gates} == {first}
     assert {k["gate_activation"] for k in gates} == {activation}
+    assert {k["group_size"] for k in gates} == {group_size}
     torch.testing.assert_close(got[0], want[0], **FP32)
     assert got[1].keys() == want[1].keys()
     for param_name in want[1]:
@@ -168,11 +176,12 @@ def test_gated_norms_train_as_the_models_own(model_type, monkeypatch):
     assert not calls
 
 
-def test_gated_norms_of_other_forms_or_calls_keep_their_own_forward():
+def test_gated_norms_of_other_forms_or_calls_keep_their_own_forward(monkeypatch):
     """A gated norm called without a gate where its form needs one or with a gate of another shape: the class's
-    forward, and so one of transformers 5.24's grouped forms with two groups a row, and a norm whose activation
-    was changed to one fastft has not. Nemotron-H's (two groups a row) and a gated form with another activation:
-    left, and named."""
+    forward, and so a grouped form whose groups no longer cut the row into whole groups, Falcon-H1's on inputs its
+    forward does not take as fastft computes (4-d; transformers 5.17's 3-d input of one token, which it returns
+    in another shape), and a norm whose activation was changed to one fastft has not. A gated form with another
+    activation: left, and named."""
     model = tiny("qwen3_5_text", **HYBRIDS["qwen3_5_text"]).train()
     ft_hf.use_rms_norm(model)
     norm = model.model.layers[0].linear_attn.norm
@@ -180,16 +189,32 @@ def test_gated_norms_of_other_forms_or_calls_keep_their_own_forward():
     assert torch.equal(norm(x, z[:1]), type(norm).forward(norm, x, z[:1]))  # a broadcast gate
     with pytest.raises(TypeError):
         norm(x)  # the form takes a gate: its own forward's error
-    granite = tiny("granitemoehybrid", **HYBRIDS["granitemoehybrid"]).train()
-    ft_hf.use_rms_norm(granite)
-    norm = granite.model.layers[0].mamba.norm
-    if ft_norms.gated_form(type(norm))[4]:  # transformers 5.24's groups: two groups a row are not fastft's math
-        x, z = torch.randn(6, norm.weight.shape[0]), torch.randn(6, norm.weight.shape[0])
-        norm.group_size = x.shape[-1] // 2
-        assert torch.equal(norm(x, z), type(norm).forward(norm, x, z))
+    calls = []
+    op = ft_norms.rms_norm
+    monkeypatch.setattr(ft_norms, "rms_norm", lambda *a, **k: calls.append(k) or op(*a, **k))
     nemotron = tiny("nemotron_h", **HYBRIDS["nemotron_h"]).train()  # two groups a row
-    left = ft_hf.use_rms_norm(nemotron)[1]
-    assert [name for name in left if name.endswith("RMSNormGated")], left
+    ft_hf.use_rms_norm(nemotron)
+    norm = next(m for m in nemotron.modules() if type(m).__name__.endswith("RMSNormGated"))
+    x, z = torch.randn(6, norm.weight.shape[0]), torch.randn(6, norm.weight.shape[0])
+    groups = "group_size" if ft_norms.gated_form(type(norm)).groups == "group_size" else "n_groups"
+    setattr(norm, groups, 5)  # 64 channels are not whole groups of 5 (or 5 groups)
+    with pytest.raises(RuntimeError):
+        norm(x, z)  # its own forward's error
+    assert not calls
+    falcon = tiny("falcon_h1", **{**HYBRIDS["falcon_h1"], "mamba_rms_norm": True, "mamba_n_groups": 2}).train()
+    ft_hf.use_rms_norm(falcon)
+    norm = next(m for m in falcon.modules() if type(m).__name__ == "FalconH1RMSNormGated")
+    width = norm.weight.shape[0]
+    x, z = torch.randn(2, 1, 3, width), torch.randn(2, 1, 3, width)
+    with pytest.raises(ValueError):
+        norm(x, z)  # 4-d: its own forward's error
+    x, z = torch.randn(2, 1, width), torch.randn(2, 1, width)
+    out = norm(x, z)
+    if ft_norms.gated_form(type(norm)).squeezes_one_token:
+        assert torch.equal(out, type(norm).forward(norm, x, z)) and out.shape != x.shape and not calls
+    else:
+        torch.testing.assert_close(out, type(norm).forward(norm, x, z), **FP32)
+        assert out.shape == x.shape and len(calls) == 1
     for changed_after in (False, True):
         kimi = tiny("kimi_linear", **HYBRIDS["kimi_linear"]).train()
         norm = next(m for m in kimi.modules() if type(m).__name__ == "KimiLinearRMSNormGated")

@@ -1,9 +1,9 @@
 """fastft.rms_norm: the reference's written-out gradient against autograd, both backends (output and every
 gradient) against the reference on random shapes, strides, offsets, eps and gates (hypothesis), half precision
 within the stock module's own error, the backward kernel at launch parameters the dispatcher does not pick,
-rows wider than the Triton path's, no rows, frozen weights, argument checks, and on a GPU bf16 at real widths
-without a host sync. Tolerance: against fp64, within twice the error the reference makes in the inputs' dtype
-plus 1e-5 of the largest value (bf16/fp16: one ulp of it)."""
+rows wider than the Triton path's, no rows, frozen weights, rows normalised in groups, argument checks, and on
+a GPU bf16 at real widths without a host sync. Tolerance: against fp64, within twice the error the reference
+makes in the inputs' dtype plus 1e-5 of the largest value (bf16/fp16: one ulp of it)."""
 
 import importlib
 import inspect
@@ -40,13 +40,16 @@ def _outputs(fn, x, w, grad, gate=None, **kw):
     return [out, *torch.autograd.grad(out, leaves, grad)]
 
 
-def _check(x, w, backend, *, eps=1e-6, offset=0.0, gate=None, gate_first=False, gate_activation="silu", seed=None):
+def _check(
+    x, w, backend, *, eps=1e-6, offset=0.0, gate=None, gate_first=False, gate_activation="silu", group_size=None,
+    seed=None,
+):  # fmt: skip
     """The op against the reference in fp64: within twice the reference's own error in the inputs' dtype plus
     1e-5 (fp32) or one ulp (bf16/fp16) of the largest value."""
     g = torch.Generator().manual_seed(0 if seed is None else seed)
     grad = torch.randn(x.shape, generator=g).to(x.device, x.dtype)
     gated = dict(gate_first=gate_first, gate_activation=gate_activation) if gate is not None else {}
-    kw = dict(eps=eps, offset=offset, **gated)
+    kw = dict(eps=eps, offset=offset, **gated, **(dict(group_size=group_size) if group_size is not None else {}))
     got = _outputs(fastft.rms_norm, x, w, grad, gate, backend=backend, **kw)
     exact = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in (x, w, gate)]
     want = _outputs(reference.rms_norm, *exact[:2], grad.double(), exact[2], **kw)
@@ -75,6 +78,29 @@ def test_backward_formula_is_autograd(rng):
             assert (got[2] is None) == (gate is None)
             for a, b in zip(got, want):
                 torch.testing.assert_close(a, b, **FP32)
+
+
+@pytest.mark.parametrize("group_size", [1, 4, 6, 12, 24])
+def test_grouped_backward_formula_is_autograd(rng, group_size):
+    """Rows of 24 in groups of 1 to 24 channels, every gate: the written-out gradient is autograd's, and each
+    group's output is the whole-row norm of that group alone."""
+    x = (torch.randn(7, 24, generator=rng) * 3).requires_grad_()
+    w = torch.randn(24, generator=rng).requires_grad_()
+    z = (torch.randn(7, 24, generator=rng) * 2).requires_grad_()
+    dy = torch.randn(7, 24, generator=rng)
+    for kind in GATES:
+        gate, first, act = None if kind is None else z, _first(kind), _act(kind)
+        out = reference.rms_norm(x, w, 1e-5, 0.5, gate, first, act, group_size)
+        want = torch.autograd.grad(out, [t for t in (x, w, gate) if t is not None], dy)
+        rstd = reference.rms_norm_rstd(x, 1e-5, gate, first, act, group_size)
+        assert rstd.shape == (7 * 24 // group_size,)
+        got = reference.rms_norm_backward(dy, x, w, rstd, 0.5, gate, first, act, group_size)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **FP32)
+        for i in range(0, 24, group_size):
+            part = slice(i, i + group_size)
+            alone = reference.rms_norm(x[:, part], w[part], 1e-5, 0.5, None if gate is None else z[:, part], first, act)
+            torch.testing.assert_close(out[:, part], alone, **FP32)
 
 
 def test_reference_is_the_transformers_modules(rng):
@@ -118,6 +144,25 @@ def test_reference_is_the_transformers_gated_modules(rng):
     torch.testing.assert_close(reference.rms_norm(x, sigmoid.weight, 1e-5, gate=z, gate_activation="sigmoid"), want)
 
 
+def test_reference_is_the_transformers_grouped_modules(rng):
+    """Zamba2's (Nemotron-H's) gated norm in groups (``silu(gate)`` before it) and Falcon-H1's (``n_groups``,
+    the gate after the norm or before it) in fp32."""
+    zamba2 = pytest.importorskip("transformers.models.zamba2.modeling_zamba2")
+    falcon = pytest.importorskip("transformers.models.falcon_h1.modeling_falcon_h1")
+    x, z = torch.randn(5, 3, 24, generator=rng), torch.randn(5, 3, 24, generator=rng) * 2
+    grouped = zamba2.Zamba2RMSNormGated(24, group_size=6, eps=1e-5)
+    with torch.no_grad():
+        grouped.weight.normal_(generator=rng)
+    got = reference.rms_norm(x, grouped.weight, 1e-5, gate=z, gate_first=True, group_size=6)
+    torch.testing.assert_close(got, grouped(x, z), **FP32)
+    for before in (True, False):
+        norm = falcon.FalconH1RMSNormGated(24, eps=1e-5, n_groups=4, norm_before_gate=before)
+        with torch.no_grad():
+            norm.weight.normal_(generator=rng)
+        got = reference.rms_norm(x, norm.weight, 1e-5, gate=z, gate_first=not before, group_size=6)
+        torch.testing.assert_close(got, norm(x, z), **FP32)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(
     rows=st.integers(1, 40),
@@ -128,9 +173,12 @@ def test_reference_is_the_transformers_gated_modules(rng):
     frozen=st.booleans(),
     strided=st.booleans(),
     gate=st.sampled_from(GATES),
+    groups=st.sampled_from([None, 1, 2, 3]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_matches_reference(backend, device, rows, width, lead, offset, eps, frozen, strided, gate, seed):
+def test_matches_reference(backend, device, rows, width, lead, offset, eps, frozen, strided, gate, groups, seed):
+    group_size = None if groups is None else width
+    width *= groups or 1
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, rows, width + strided, generator=g) * 3 + 0.5
     x = x[..., :width] if strided else x  # a row stride past the width
@@ -138,8 +186,9 @@ def test_matches_reference(backend, device, rows, width, lead, offset, eps, froz
     w = torch.randn(width, generator=g).to(device).requires_grad_(not frozen)
     z = None if gate is None else (torch.randn(x.shape, generator=g) * 2).to(device).requires_grad_()
     _check(
-        x, w, backend, eps=eps, offset=offset, gate=z, gate_first=_first(gate), gate_activation=_act(gate), seed=seed
-    )
+        x, w, backend, eps=eps, offset=offset, gate=z, gate_first=_first(gate), gate_activation=_act(gate),
+        group_size=group_size, seed=seed,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -157,50 +206,58 @@ def test_half_precision_within_stock_error(backend, device, rng, dtype):
 
 @pytest.mark.parametrize("tile", [16, 32, 128])
 @pytest.mark.parametrize("gate", GATES)
-def test_forward_kernel_tiles(device, rng, tile, gate):
-    """Tiles of one row (narrower than a row: its block still whole) or several, a last tile cut short."""
+@pytest.mark.parametrize("group_size", [None, 5, 10])
+def test_forward_kernel_tiles(device, rng, tile, gate, group_size):
+    """Tiles of one row (narrower than a row: its block still whole) or several, a last tile cut short; rows of
+    one group or of several."""
     kernels = pytest.importorskip("fastft.kernels.rms_norm")
     x = torch.randn(37, 20, generator=rng).to(device)
     w = torch.randn(20, generator=rng).to(device)
     z = None if gate is None else torch.randn(37, 40, generator=rng).to(device)[:, ::2].contiguous()
     first, act = _first(gate), _act(gate)
-    out, rstd = kernels.rms_norm_forward(x, w, 1e-6, 1.0, z, first, act, TILE=tile, num_warps=1)
-    torch.testing.assert_close(out, reference.rms_norm(x, w, 1e-6, 1.0, z, first, act), **FP32)
-    torch.testing.assert_close(rstd, reference.rms_norm_rstd(x, 1e-6, z, first, act), **FP32)
+    out, rstd = kernels.rms_norm_forward(x, w, 1e-6, 1.0, z, first, act, group_size, TILE=tile, num_warps=1)
+    torch.testing.assert_close(out, reference.rms_norm(x, w, 1e-6, 1.0, z, first, act, group_size), **FP32)
+    torch.testing.assert_close(rstd, reference.rms_norm_rstd(x, 1e-6, z, first, act, group_size), **FP32)
 
 
 @pytest.mark.parametrize("programs, tile", [(1, 32), (2, 32), (5, 64), (100, 16)])
 @pytest.mark.parametrize("gate", GATES)
-def test_backward_kernel_programs_and_tiles(device, rng, programs, tile, gate):
-    """Programs that each walk several tiles (or none past the last), tiles of one or several rows: the
-    weight's partial sums add up to the reference's, with and without its gradient asked."""
+@pytest.mark.parametrize("group_size", [None, 4])
+def test_backward_kernel_programs_and_tiles(device, rng, programs, tile, gate, group_size):
+    """Programs that each walk several tiles (or none past the last), tiles of one or several rows, rows of
+    one group or of several: the weight's partial sums add up to the reference's, with and without its gradient
+    asked."""
     kernels = pytest.importorskip("fastft.kernels.rms_norm")
     x = torch.randn(37, 20, generator=rng).to(device)
     w = torch.randn(20, generator=rng).to(device)
     dy = torch.randn(37, 20, generator=rng).to(device)
     z = None if gate is None else torch.randn(37, 20, generator=rng).to(device)
     first, act = _first(gate), _act(gate)
-    rstd = reference.rms_norm_rstd(x, 1e-6, z, first, act)
-    want = reference.rms_norm_backward(dy, x, w, rstd, 1.0, z, first, act)
+    rstd = reference.rms_norm_rstd(x, 1e-6, z, first, act, group_size)
+    want = reference.rms_norm_backward(dy, x, w, rstd, 1.0, z, first, act, group_size)
     kw = dict(programs=programs, TILE=tile, num_warps=1)
     for stages in (1, 3):
-        dx, dw, dz = kernels.rms_norm_backward(dy, x, w, rstd, 1.0, True, z, first, act, stages=stages, **kw)
+        dx, dw, dz = kernels.rms_norm_backward(
+            dy, x, w, rstd, 1.0, True, z, first, act, group_size, stages=stages, **kw
+        )
         torch.testing.assert_close(dx, want[0], **FP32)
         torch.testing.assert_close(dw, want[1], **FP32)
         if gate is None:
             assert dz is None
         else:
             torch.testing.assert_close(dz, want[2], **FP32)
-    dx, dw, _ = kernels.rms_norm_backward(dy, x, w, rstd, 1.0, False, z, first, act, stages=2, **kw)
+    dx, dw, _ = kernels.rms_norm_backward(dy, x, w, rstd, 1.0, False, z, first, act, group_size, stages=2, **kw)
     torch.testing.assert_close(dx, want[0], **FP32)
     assert dw.numel() == 0
 
 
 def test_rows_wider_than_the_triton_path_take_torch(device, rng, monkeypatch):
     monkeypatch.setattr(rn, "MAX_WIDTH", 8)
-    x = torch.randn(6, 9, generator=rng).to(device).requires_grad_()
-    w = torch.randn(9, generator=rng).to(device).requires_grad_()
+    x = torch.randn(6, 18, generator=rng).to(device).requires_grad_()
+    w = torch.randn(18, generator=rng).to(device).requires_grad_()
     _check(x, w, "triton")
+    _check(x, w, "triton", group_size=9)  # groups wider than the Triton path's
+    _check(x, w, "triton", group_size=6)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -225,12 +282,13 @@ def test_custom_op_opcheck(backend, device, rng):
     z = torch.randn(9, 12, generator=rng).to(device)
     for kind in GATES:
         gate, first, act = None if kind is None else z, _first(kind), _act(kind)
-        torch.library.opcheck(rn.rms_norm_op.op, (x, w, gate, 1e-6, 1.0, first, act, backend))
-        rstd = reference.rms_norm_rstd(x, 1e-6, gate, first, act)
-        for grad_weight in (True, False):
-            dy = torch.randn(9, 12, generator=rng).to(device)
-            args = (dy, x, w, gate, rstd, 0.0, first, act, grad_weight, backend)
-            torch.library.opcheck(rn.rms_norm_backward_op.op, args)
+        for group_size in (12, 4):
+            torch.library.opcheck(rn.rms_norm_op.op, (x, w, gate, 1e-6, 1.0, first, act, group_size, backend))
+            rstd = reference.rms_norm_rstd(x, 1e-6, gate, first, act, group_size)
+            for grad_weight in (True, False):
+                dy = torch.randn(9, 12, generator=rng).to(device)
+                args = (dy, x, w, gate, rstd, 0.0, first, act, group_size, grad_weight, backend)
+                torch.library.opcheck(rn.rms_norm_backward_op.op, args)
 
 
 def test_argument_checks(rng):
@@ -269,6 +327,10 @@ def test_argument_checks(rng):
             "gate_activation='sigmoid' is the gate's activation: give gate",
             lambda: call(x, w, gate_activation="sigmoid"),
         ),
+        (TypeError, "group_size must be an int, got float 2.0", lambda: call(x, w, group_size=2.0)),
+        (TypeError, "group_size must be an int, got bool", lambda: call(x, w, group_size=True)),
+        (ValueError, "group_size must be an int >= 1, got 0", lambda: call(x, w, group_size=0)),
+        (ValueError, "group_size must divide x's last dim 4, got 3", lambda: call(x, w, group_size=3)),
     ]
     for error, match, fn in cases:
         with pytest.raises(error, match=match):
@@ -284,15 +346,16 @@ def test_bf16_at_real_widths_without_host_sync(rng):
         w = (1 + torch.randn(shape[-1], generator=rng) * 0.1).to("cuda", torch.bfloat16).requires_grad_()
         _check(x, w, "triton")
     # Qwen3.5's gated norm (32 value heads of 128), Granite-4.0-H's (3,072 channels), Kimi-Linear's (32 heads
-    # of 128, a sigmoid gate)
-    for shape, first, act in (
-        ((16384, 32, 128), False, "silu"),
-        ((16384, 3072), True, "silu"),
-        ((16384, 32, 128), False, "sigmoid"),
+    # of 128, a sigmoid gate), Nemotron-H 8B's (8,192 channels in 8 groups)
+    for shape, first, act, group_size in (
+        ((16384, 32, 128), False, "silu", None),
+        ((16384, 3072), True, "silu", None),
+        ((16384, 32, 128), False, "sigmoid", None),
+        ((16384, 8192), True, "silu", 1024),
     ):
         x, z = (torch.randn(shape, generator=rng).to("cuda", torch.bfloat16).requires_grad_() for _ in range(2))
         w = (1 + torch.randn(shape[-1], generator=rng) * 0.1).to("cuda", torch.bfloat16).requires_grad_()
-        _check(x, w, "triton", gate=z, gate_first=first, gate_activation=act)
+        _check(x, w, "triton", gate=z, gate_first=first, gate_activation=act, group_size=group_size)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -300,3 +363,13 @@ def test_bf16_at_real_widths_without_host_sync(rng):
         torch.autograd.grad(out, (x, w), torch.ones_like(out))
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_the_check_command_case(device, rng):
+    """``python -m fastft check``'s rms_norm case (gates and groups drawn): the dispatched backend against the
+    reference, and its gradients."""
+    from fastft import selfcheck
+
+    assert selfcheck.CHECKS["rms_norm"] is selfcheck.check_rms_norm
+    for _ in range(8):
+        selfcheck.check_rms_norm(rng, device, 24)

@@ -1,9 +1,9 @@
 """Benchmark for fastft.rms_norm: the RMSNorm layers of a 16k-token step at the e2e models' widths (a decoder
 layer's hidden rows; Qwen3's per-head query norm; the gated norms after Qwen3.5's and Kimi-Linear's delta rules
-and Granite-4.0-H's scan), forward and forward + backward, against transformers' modules as they are written
-(Llama's and Qwen3's norm; Qwen3.5's ``1 + weight``; Qwen3.5's, Kimi-Linear's and Mamba-2's gated norms), bf16
-rows, the weights frozen (LoRA) and
-trained. Time, traffic against the HBM floor (a device copy's bandwidth), and peak memory."""
+and Granite-4.0-H's and Nemotron-H's scans), forward and forward + backward, against transformers' modules as they
+are written (Llama's and Qwen3's norm; Qwen3.5's ``1 + weight``; Qwen3.5's, Kimi-Linear's, Mamba-2's and
+Nemotron-H's grouped gated norms), bf16 rows, the weights frozen (LoRA) and trained. Time, traffic against the
+HBM floor (a device copy's bandwidth), and peak memory."""
 
 from __future__ import annotations
 
@@ -18,22 +18,24 @@ from .common import Row, copy_gbs, fwd_and_bwd
 BASELINE = "transformers' RMSNorm (torch ops)"
 
 # name -> (rows, width, offset: 0 Llama's form, 1 Gemma's / Qwen3.5's, the weight trained: a full fine-tune,
-# the gate: None, silu(gate) "after" the norm (Qwen3.5's) or "first" (Mamba-2's), "sigmoid" after it (Kimi's))
+# the gate: None, silu(gate) "after" the norm (Qwen3.5's) or "first" (Mamba-2's), "sigmoid" after it (Kimi's),
+# channels a group: None for the whole row)
 SHAPES = {
-    "Qwen3-8B hidden": (16384, 4096, 0.0, False, None),
-    "Qwen3-8B hidden, trained weight": (16384, 4096, 0.0, True, None),
-    "Qwen3-8B query heads": (16384 * 32, 128, 0.0, False, None),
-    "Qwen3.5 hidden": (16384, 4096, 1.0, False, None),
-    "Qwen3.5 gated, value heads": (16384 * 32, 128, 0.0, False, "after"),
-    "Granite-4.0-H gated": (16384, 3072, 0.0, False, "first"),
-    "Kimi-Linear gated, heads": (16384 * 32, 128, 0.0, False, "sigmoid"),
+    "Qwen3-8B hidden": (16384, 4096, 0.0, False, None, None),
+    "Qwen3-8B hidden, trained weight": (16384, 4096, 0.0, True, None, None),
+    "Qwen3-8B query heads": (16384 * 32, 128, 0.0, False, None, None),
+    "Qwen3.5 hidden": (16384, 4096, 1.0, False, None, None),
+    "Qwen3.5 gated, value heads": (16384 * 32, 128, 0.0, False, "after", None),
+    "Granite-4.0-H gated": (16384, 3072, 0.0, False, "first", None),
+    "Kimi-Linear gated, heads": (16384 * 32, 128, 0.0, False, "sigmoid", None),
+    "Nemotron-H 8B gated, 8 groups": (16384, 8192, 0.0, False, "first", 1024),
 }
 
 
-def transformers_norm(x, weight, eps: float, offset: float, gate=None, where=None) -> torch.Tensor:
+def transformers_norm(x, weight, eps: float, offset: float, gate=None, where=None, group_size=None) -> torch.Tensor:
     """``LlamaRMSNorm.forward`` (offset 0), ``Qwen3_5RMSNorm.forward`` (offset 1), ``Qwen3_5RMSNormGated.forward``
-    (a gate after), ``MambaRMSNormGated.forward`` (a gate first) and ``KimiLinearRMSNormGated.forward`` (a sigmoid
-    gate after) as transformers writes them."""
+    (a gate after), ``MambaRMSNormGated.forward`` (a gate first; in groups: ``Zamba2RMSNormGated.forward``,
+    Nemotron-H's) and ``KimiLinearRMSNormGated.forward`` (a sigmoid gate after) as transformers writes them."""
     if where == "sigmoid":
         xf = x.to(torch.float32)
         xf = weight.to(torch.float32) * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
@@ -44,7 +46,8 @@ def transformers_norm(x, weight, eps: float, offset: float, gate=None, where=Non
         return (weight * xf.to(x.dtype) * torch.nn.functional.silu(gate.to(torch.float32))).to(x.dtype)
     if where == "first":
         xf = x.to(torch.float32) * torch.nn.functional.silu(gate.to(torch.float32))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        xf = xf.unflatten(-1, (-1, group_size or xf.shape[-1]))
+        xf = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
         return weight * xf.to(x.dtype)
     if offset:
         xf = x.float()
@@ -61,10 +64,15 @@ def run(device: torch.device, quick: bool) -> list[Row]:
     backend = dispatch.backend_for(OP_RMS_NORM, device)
     copy_bw = copy_gbs(device)
     rows = []
-    shapes = SHAPES if gpu else {"tiny": (48, 24, 0.0, True, None), "tiny gated": (48, 24, 0.0, False, "first")}
+    shapes = SHAPES
     if not gpu:
-        shapes["tiny sigmoid-gated"] = (48, 24, 0.0, False, "sigmoid")
-    for name, (count, width, offset, trained, where) in shapes.items():
+        shapes = {
+            "tiny": (48, 24, 0.0, True, None, None),
+            "tiny gated": (48, 24, 0.0, False, "first", None),
+            "tiny sigmoid-gated": (48, 24, 0.0, False, "sigmoid", None),
+            "tiny gated, 3 groups": (48, 24, 0.0, False, "first", 8),
+        }
+    for name, (count, width, offset, trained, where, group_size) in shapes.items():
         count = count // 16 if quick and gpu else count
         g = torch.Generator().manual_seed(0)
         x = torch.randn(count, width, generator=g).to(device, dtype).requires_grad_()
@@ -74,8 +82,8 @@ def run(device: torch.device, quick: bool) -> list[Row]:
         activation = "sigmoid" if where == "sigmoid" else "silu"
         gate = dict(gate=z, gate_first=where == "first", gate_activation=activation) if where else {}
         forwards = {
-            "ours": lambda: fastft.rms_norm(x, w, 1e-6, offset=offset, **gate),
-            BASELINE: lambda: transformers_norm(x, w, 1e-6, offset, z, where),
+            "ours": lambda: fastft.rms_norm(x, w, 1e-6, offset=offset, **gate, group_size=group_size),
+            BASELINE: lambda: transformers_norm(x, w, 1e-6, offset, z, where, group_size),
         }
         torch.testing.assert_close(forwards["ours"]().float(), forwards[BASELINE]().float(), atol=2e-2, rtol=2e-2)
         element = x.element_size()
@@ -95,6 +103,7 @@ def run(device: torch.device, quick: bool) -> list[Row]:
             form = ("1 + weight" if offset else "weight") + (
                 f", {activation}(gate) {'first' if where == 'first' else 'after'}" if where else ""
             )
+            form += f", groups of {group_size}" if group_size else ""
             case = f"{name}: {count} rows x H={width} ({form}), {dtype}, {mode}"
             rows.append(Row("rms_norm", case, BASELINE, ms[BASELINE], ms["ours"], backend, note))
     return rows

@@ -13,6 +13,9 @@ With a ``gate`` z (x's shape), the gated norms of the linear-attention and state
 
 ``gate_activation="sigmoid"`` puts ``sigmoid(z)`` in place of ``silu(z)`` (Kimi-Linear's, after the norm).
 
+With ``group_size``, each row's channels are normalised in groups of that many (``r`` per group: Nemotron-H's
+and Zamba2's gated norms, Falcon-H1's); without, the whole row is one group.
+
 ``rms_norm_backward`` is the torch backend's gradient: that derivative written out (tested against autograd).
 """
 
@@ -34,6 +37,11 @@ def _gated_input(x, gate, gate_first, gate_activation, compute):
     return xf * _activation(gate.to(compute), gate_activation) if gate is not None and gate_first else xf
 
 
+def _groups(v: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """``v`` ``[..., H]`` as ``[..., H / group_size, group_size]`` (``[..., 1, H]`` without a group size)."""
+    return v.unflatten(-1, (1, v.shape[-1]) if group_size is None else (-1, group_size))
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -42,13 +50,16 @@ def rms_norm(
     gate: torch.Tensor | None = None,
     gate_first: bool = False,
     gate_activation: str = "silu",
+    group_size: int | None = None,
 ) -> torch.Tensor:
-    """``x`` ``[..., H]`` normalised by its root mean square over the last dim, times ``weight + offset``
-    (``weight`` ``[H]``), gated by ``silu(gate)`` (or ``sigmoid(gate)``) after the norm or, with ``gate_first``,
-    before it; computed in fp32 (fp64 inputs: fp64), returned in ``x``'s dtype."""
+    """``x`` ``[..., H]`` normalised by its root mean square over the last dim (over each group of
+    ``group_size`` channels), times ``weight + offset`` (``weight`` ``[H]``), gated by ``silu(gate)`` (or
+    ``sigmoid(gate)``) after the norm or, with ``gate_first``, before it; computed in fp32 (fp64 inputs: fp64),
+    returned in ``x``'s dtype."""
     compute = _compute(x)
-    u = _gated_input(x, gate, gate_first, gate_activation, compute)
-    out = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps) * (weight.to(compute) + offset)
+    u = _groups(_gated_input(x, gate, gate_first, gate_activation, compute), group_size)
+    n = (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+    out = n * (weight.to(compute) + offset)
     if gate is not None and not gate_first:
         out = out * _activation(gate.to(compute), gate_activation)
     return out.to(x.dtype)
@@ -60,10 +71,12 @@ def rms_norm_rstd(
     gate: torch.Tensor | None = None,
     gate_first: bool = False,
     gate_activation: str = "silu",
+    group_size: int | None = None,
 ) -> torch.Tensor:
-    """Each row's fp32 ``r`` ``[R]`` of ``x`` ``[R, H]`` (of ``x * silu(gate)`` with ``gate_first``): what the
-    forward keeps for the backward."""
-    return torch.rsqrt(_gated_input(x, gate, gate_first, gate_activation, torch.float32).pow(2).mean(-1) + eps)
+    """The fp32 ``r`` ``[R * G]`` of each row's each group (G per row; one without ``group_size``) of ``x``
+    ``[R, H]`` (of ``x * silu(gate)`` with ``gate_first``): what the forward keeps for the backward."""
+    u = _groups(_gated_input(x, gate, gate_first, gate_activation, torch.float32), group_size)
+    return torch.rsqrt(u.pow(2).mean(-1) + eps).flatten()
 
 
 def rms_norm_backward(
@@ -75,6 +88,7 @@ def rms_norm_backward(
     gate: torch.Tensor | None = None,
     gate_first: bool = False,
     gate_activation: str = "silu",
+    group_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``x``'s gradient (x's dtype), ``weight``'s (fp32) and ``gate``'s (its dtype; None without a gate) from the
     output's ``dy`` ``[R, H]``. With ``u`` the normalised input (``x``, or ``x s`` with ``gate_first``, where
@@ -82,7 +96,7 @@ def rms_norm_backward(
     ``dy``) and ``g = e (weight + offset)``: ``du = r (g - n mean(g n))``, ``dweight = sum over rows of e n``;
     ``dx = du`` (``du s`` with ``gate_first``); ``dz = dy n (weight + offset) silu'(z)`` after the norm,
     ``du x silu'(z)`` before it, with ``silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z)))`` (a sigmoid gate:
-    ``s = sigmoid(z)``, ``s' = s (1 - s)``)."""
+    ``s = sigmoid(z)``, ``s' = s (1 - s)``). With ``group_size``, ``r`` and the mean are each group's."""
     w = weight.float() + offset
     xf, dyf = x.float(), dy.float()
     if gate is not None:
@@ -93,10 +107,12 @@ def rms_norm_backward(
         else:
             s, ds = z * sig, sig * (1 + z * (1 - sig))
     u = xf * s if gate is not None and gate_first else xf
-    n = u * rstd[:, None]
+    r = rstd.view(x.shape[0], -1, 1)
+    n = (_groups(u, group_size) * r).flatten(-2)
     e = dyf * s if gate is not None and not gate_first else dyf
     g = e * w
-    du = rstd[:, None] * (g - n * (g * n).mean(-1, keepdim=True))
+    gn = _groups(g * n, group_size).mean(-1, keepdim=True)
+    du = (r * (_groups(g, group_size) - _groups(n, group_size) * gn)).flatten(-2)
     dw = (e * n).sum(0)
     if gate is None:
         return du.to(x.dtype), dw, None
