@@ -20,6 +20,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
 def _function(name: str, fn, setup_context, backward) -> type[torch.autograd.Function]:
+    # forward takes ctx: a Function with a setup_context staticmethod binds its arguments through
+    # inspect.signature on every apply (the host time this path is for), to serve functorch's transforms, which
+    # fastft's public ops do not support either way.
     def forward(ctx, *args):
         output = fn(*args)
         setup_context(ctx, args, output)
