@@ -35,7 +35,8 @@ OP_RMS_NORM = dispatch.register("rms_norm.rms_norm")
 # Launch parameters only; dispatched with the forward op.
 OP_RMS_NORM_BACKWARD = "rms_norm.rms_norm_backward"
 
-MAX_WIDTH = 16384  # the Triton path holds whole rows in registers
+MAX_WIDTH = 16384  # the Triton path holds whole rows (or groups) in registers
+MAX_GROUPS = 65535  # and a row's groups are its grid's second axis (CUDA's limit)
 PROGRAMS_PER_SM = 4  # the backward's programs where it sums the weight's gradient (a row of partial sums each)
 STAGES = 2  # and their loads one tile ahead
 
@@ -72,7 +73,7 @@ def rms_norm_op(
     """The output ``[R, H]`` in ``x.dtype`` and the fp32 ``r`` ``[R * H / group_size]`` of each row's groups of
     ``x`` ``[R, H]`` (unit column stride), ``weight`` ``[H]`` (contiguous) and ``gate`` (x's shape, unit column
     stride, or None)."""
-    if backend == "torch" or group_size > MAX_WIDTH:
+    if backend == "torch" or group_size > MAX_WIDTH or x.shape[1] // group_size > MAX_GROUPS:
         return (
             reference.rms_norm(x, weight, eps, offset, gate, gate_first, gate_activation, group_size),
             reference.rms_norm_rstd(x, eps, gate, gate_first, gate_activation, group_size),
@@ -104,7 +105,7 @@ def rms_norm_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x``'s gradient (its dtype), with ``grad_weight`` ``weight``'s (its dtype; else an empty tensor) and the
     gate's (its dtype; an empty tensor without one) from the output's ``dy`` ``[R, H]`` (unit column stride)."""
-    if backend == "torch" or group_size > MAX_WIDTH:
+    if backend == "torch" or group_size > MAX_WIDTH or x.shape[1] // group_size > MAX_GROUPS:
         dx, dw, dz = reference.rms_norm_backward(
             dy, x, weight, rstd, offset, gate, gate_first, gate_activation, group_size
         )

@@ -271,6 +271,8 @@ def test_rows_wider_than_the_triton_path_take_torch(device, rng, monkeypatch):
     _check(x, w, "triton")
     _check(x, w, "triton", group_size=9)  # groups wider than the Triton path's
     _check(x, w, "triton", group_size=6)
+    monkeypatch.setattr(rn, "MAX_GROUPS", 2)
+    _check(x, w, "triton", group_size=6)  # more groups than the Triton path's grid takes
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
