@@ -13,7 +13,7 @@ several of them for the backward. Here the forward reads ``x`` once and writes t
 a row; the backward reads ``x``, the output's gradient and those numbers and writes ``x``'s gradient, the
 weight's summed per program and then in a fixed order. A gate is read with ``x`` and its gradient written with
 ``x``'s. ``fastft/reference/rms_norm.py`` is the specification.
-Backends: ``triton`` (rows of at most ``MAX_WIDTH``; wider rows take the torch path) and ``torch`` (the
+Backends: ``triton`` (rows or groups of at most ``MAX_WIDTH``; wider ones take the torch path) and ``torch`` (the
 reference, its gradient written out). No GPU sync.
 """
 
