@@ -25,6 +25,8 @@ import sys
 import numpy as np
 import torch
 
+from ._checks import finite_arg, int_arg
+
 __all__ = [
     "assert_same",
     "differential",
@@ -442,17 +444,18 @@ def clear_of_router_ties(model: torch.nn.Module, draw, margin: float = 1e-4, tri
     routers: the first batch). Two fp32 implementations of one model differ by rounding (about 1e-7 in the
     logits): on a near-tied token that flips an expert choice, and the outputs then differ by far more than any
     tolerance. A router is a module with an integer ``top_k`` and a ``weight`` of one row per expert (or such a
-    block's ``router`` / ``gate`` linear layer); its logits are the output of that width. ``ValueError`` for a
-    ``margin`` that is not a finite number >= 0 or ``tries`` not an int >= 1, or when no draw is clear;
-    ``TypeError`` for a ``model`` that is not a module or a ``draw`` that is not callable."""
+    block's ``router`` / ``gate`` linear layer); its logits are the output of that width. ``TypeError`` for a
+    ``model`` that is not a module, a ``draw`` that is not callable, a ``margin`` that is not a number or
+    ``tries`` not an int; ``ValueError`` for a ``margin`` negative or not finite, ``tries`` below 1, or when no
+    draw is clear."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(draw):
         raise TypeError(f"draw must be callable, got {type(draw).__name__}")
-    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= margin < math.inf:
-        raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
-    if isinstance(tries, bool) or not isinstance(tries, int) or tries < 1:
-        raise ValueError(f"tries must be an int >= 1, got {tries!r}")
+    margin = finite_arg("margin", margin)
+    if margin < 0:
+        raise ValueError(f"margin must be >= 0, got {margin}")
+    tries = int_arg("tries", tries, minimum=1)
     taps = []
     for module in model.modules():
         top_k = getattr(module, "top_k", None)
