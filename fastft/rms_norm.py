@@ -55,6 +55,11 @@ def _programs(device: torch.device) -> int:
     return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _torch_path(backend: str, width: int, group_size: int) -> bool:
+    """Whether a call runs the reference: asked for, or groups wider or more than the Triton path takes."""
+    return backend == "torch" or group_size > MAX_WIDTH or width // group_size > MAX_GROUPS
+
+
 # ---- custom ops: one kernel (or the torch reference) per call, on the backend named, no validation ----
 
 
@@ -73,7 +78,7 @@ def rms_norm_op(
     """The output ``[R, H]`` in ``x.dtype`` and the fp32 ``r`` ``[R * H / group_size]`` of each row's groups of
     ``x`` ``[R, H]`` (unit column stride), ``weight`` ``[H]`` (contiguous) and ``gate`` (x's shape, unit column
     stride, or None)."""
-    if backend == "torch" or group_size > MAX_WIDTH or x.shape[1] // group_size > MAX_GROUPS:
+    if _torch_path(backend, x.shape[1], group_size):
         return (
             reference.rms_norm(x, weight, eps, offset, gate, gate_first, gate_activation, group_size),
             reference.rms_norm_rstd(x, eps, gate, gate_first, gate_activation, group_size),
@@ -105,7 +110,7 @@ def rms_norm_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x``'s gradient (its dtype), with ``grad_weight`` ``weight``'s (its dtype; else an empty tensor) and the
     gate's (its dtype; an empty tensor without one) from the output's ``dy`` ``[R, H]`` (unit column stride)."""
-    if backend == "torch" or group_size > MAX_WIDTH or x.shape[1] // group_size > MAX_GROUPS:
+    if _torch_path(backend, x.shape[1], group_size):
         dx, dw, dz = reference.rms_norm_backward(
             dy, x, weight, rstd, offset, gate, gate_first, gate_activation, group_size
         )

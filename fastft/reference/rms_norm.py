@@ -108,11 +108,11 @@ def rms_norm_backward(
             s, ds = z * sig, sig * (1 + z * (1 - sig))
     u = xf * s if gate is not None and gate_first else xf
     r = rstd.view(x.shape[0], -1, 1)
-    n = (_groups(u, group_size) * r).flatten(-2)
+    n = _groups(u, group_size) * r  # [R, G, H / G]
     e = dyf * s if gate is not None and not gate_first else dyf
-    g = e * w
-    gn = _groups(g * n, group_size).mean(-1, keepdim=True)
-    du = (r * (_groups(g, group_size) - _groups(n, group_size) * gn)).flatten(-2)
+    g = _groups(e * w, group_size)
+    du = (r * (g - n * (g * n).mean(-1, keepdim=True))).flatten(-2)
+    n = n.flatten(-2)
     dw = (e * n).sum(0)
     if gate is None:
         return du.to(x.dtype), dw, None
