@@ -220,12 +220,17 @@ def gated_delta_rule(
 
 
 def _chunked(q, k, v, g, beta, table: ChunkTable, scale: float, use_qk_l2norm: bool, backend: str) -> torch.Tensor:
-    """o ``[N, H, Dv]`` fp32: transformers' chunked algorithm, its steps and names, on
-    ``table``'s layout; the scan over chunks on ``backend``."""
+    """o ``[N, H, Dv]`` (fp32; in q's dtype on the whole Triton path): transformers' chunked algorithm, its
+    steps and names, on ``table``'s layout; the scan over chunks on ``backend``."""
     b, t, h, _ = q.shape
     n, c, num_chunks = b * t, table.chunk_size, table.num_chunks_bound
-    q, k, v = (x.reshape(n, h, x.shape[-1]).float() for x in (q, k, v))
     per_channel = g.dim() == 4
+    triton_intra = c <= _TRITON_INTRA_MAX_CHUNK and max(q.shape[-1], v.shape[-1]) <= _TRITON_INTRA_MAX_WIDTH
+    if backend == "triton" and not per_channel and triton_intra:
+        q, k, v = (x.reshape(n, h, x.shape[-1]) for x in (q, k, v))
+        g, beta = g.reshape(n, h), beta.reshape(n, h)
+        return _TritonChunks.apply(q, k, v, g, beta, table.token_index, table.slot, table.first, scale, use_qk_l2norm)
+    q, k, v = (x.reshape(n, h, x.shape[-1]).float() for x in (q, k, v))
     g, beta = g.reshape(n, h, -1).float(), beta.reshape(n, h, 1).float()
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
@@ -237,10 +242,6 @@ def _chunked(q, k, v, g, beta, table: ChunkTable, scale: float, use_qk_l2norm: b
 
     query, key, value = chunks(q), chunks(k), chunks(v)
     beta = chunks(beta).squeeze(-1)
-    triton_intra = c <= _TRITON_INTRA_MAX_CHUNK and max(q.shape[-1], v.shape[-1]) <= _TRITON_INTRA_MAX_WIDTH
-    if backend == "triton" and not per_channel and triton_intra:
-        out = _TritonChunks.apply(query, key, value, beta, chunks(g).squeeze(-1), table.first)
-        return out.view(h, num_chunks * c, -1).transpose(0, 1).index_select(0, table.slot)
     v_beta = value * beta.unsqueeze(-1)
     k_beta = key * beta.unsqueeze(-1)
     if per_channel:
@@ -522,33 +523,135 @@ def _(q, k, cum, states, v_new, d_out):
     return tuple(x.new_empty(x.shape, dtype=f32) for x in (q, k, cum, states, v_new))
 
 
+@custom_op("fastft::delta_rule_pack_forward")
+def pack_forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    token_index: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.delta_rule.pack_forward``: (query, key, value, g, beta) in the slots, fp32, not differentiable."""
+    from .kernels import delta_rule as kernels
+
+    return kernels.pack_forward(q, k, v, g, beta, token_index, scale, use_qk_l2norm)
+
+
+@pack_forward_op.register_fake
+def _(q, k, v, g, beta, token_index, scale, use_qk_l2norm):
+    h, dk = q.shape[1:]
+    nc, cs = token_index.shape
+    f32 = torch.float32
+    query, key = (q.new_empty(h, nc, cs, dk, dtype=f32) for _ in range(2))
+    g_slots, beta_slots = (q.new_empty(h, nc, cs, dtype=f32) for _ in range(2))
+    return query, key, q.new_empty(h, nc, cs, v.shape[-1], dtype=f32), g_slots, beta_slots
+
+
+@custom_op("fastft::delta_rule_pack_backward")
+def pack_backward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    slot: torch.Tensor,
+    dquery: torch.Tensor,
+    dkey: torch.Tensor,
+    dvalue: torch.Tensor,
+    dg: torch.Tensor,
+    dbeta: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    v_dtype: torch.dtype,
+    g_dtype: torch.dtype,
+    beta_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.delta_rule.pack_backward``: the gradients of q, k, v, g and beta in their dtypes."""
+    from .kernels import delta_rule as kernels
+
+    dtypes = (q.dtype, k.dtype, v_dtype, g_dtype, beta_dtype)
+    return kernels.pack_backward(q, k, slot, dquery, dkey, dvalue, dg, dbeta, scale, use_qk_l2norm, dtypes)
+
+
+@pack_backward_op.register_fake
+def _(q, k, slot, dquery, dkey, dvalue, dg, dbeta, scale, use_qk_l2norm, v_dtype, g_dtype, beta_dtype):
+    n, h, dk = q.shape
+    return (
+        q.new_empty(n, h, dk),
+        k.new_empty(n, h, dk),
+        q.new_empty(n, h, dvalue.shape[-1], dtype=v_dtype),
+        q.new_empty(n, h, dtype=g_dtype),
+        q.new_empty(n, h, dtype=beta_dtype),
+    )
+
+
+@custom_op("fastft::delta_rule_unpack_forward")
+def unpack_forward_op(o: torch.Tensor, slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``kernels.delta_rule.unpack_forward``: the output ``[N, H, Dv]`` in ``dtype``, not differentiable."""
+    from .kernels import delta_rule as kernels
+
+    return kernels.unpack_forward(o, slot, dtype)
+
+
+@unpack_forward_op.register_fake
+def _(o, slot, dtype):
+    return o.new_empty(slot.shape[0], o.shape[0], o.shape[-1], dtype=dtype)
+
+
+@custom_op("fastft::delta_rule_unpack_backward")
+def unpack_backward_op(dout: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
+    """``kernels.delta_rule.unpack_backward``: the slots' output gradient, fp32."""
+    from .kernels import delta_rule as kernels
+
+    return kernels.unpack_backward(dout, token_index)
+
+
+@unpack_backward_op.register_fake
+def _(dout, token_index):
+    return dout.new_empty(dout.shape[1], *token_index.shape, dout.shape[-1], dtype=torch.float32)
+
+
 class _TritonChunks(torch.autograd.Function):
-    """``_chunked``'s algorithm for one log decay per head on Triton (``intra_forward_op``, ``chunk_scan_op``,
-    ``output_forward_op``) and its backward written out (``_chunked``'s autograd graph is its specification):
-    with per chunk ``cum`` the cumulative log decay, ``G_ij = exp(cum_i - cum_j)`` (j <= i), ``L`` the strictly
-    lower part of ``(k beta) k^T * G`` and ``T = (I + L)^-1``: ``u = T (v beta)``, ``w = T (k beta exp(cum))``,
-    the scan over chunks (states, v_new), and ``o = (q exp(cum)) states + ((q k^T) * G) v_new``. Backward
-    through ``T``: ``d(v beta) = T^T du``, ``dx = T^T dw``, ``dL = -(d(v beta) u^T + dx w^T)`` on the strictly
-    lower part. Inputs: the chunk layout's query (normalised, scaled), key, value ``[H, NC, C, D]``, beta and the
-    log decay ``[H, NC, C]`` fp32, first ``[NC]``."""
+    """``_chunked``'s algorithm for one log decay per head on Triton, from the tokens to the tokens, and its
+    backward written out (``_chunked``'s autograd graph is its specification): the tokens into the slots
+    (``pack_forward_op``: q and k l2-normalised, q scaled), ``intra_forward_op``, ``chunk_scan_op``,
+    ``output_forward_op``, the slots back to the tokens (``unpack_forward_op``). With per chunk ``cum`` the
+    cumulative log decay, ``G_ij = exp(cum_i - cum_j)`` (j <= i), ``L`` the strictly lower part of ``(k beta) k^T
+    * G`` and ``T = (I + L)^-1``: ``u = T (v beta)``, ``w = T (k beta exp(cum))``, the scan over chunks (states,
+    v_new), and ``o = (q exp(cum)) states + ((q k^T) * G) v_new``. Backward through ``T``: ``d(v beta) = T^T
+    du``, ``dx = T^T dw``, ``dL = -(d(v beta) u^T + dx w^T)`` on the strictly lower part. Inputs: q, k ``[N, H,
+    Dk]``, v ``[N, H, Dv]``, g, beta ``[N, H]`` in their dtypes, the chunk table's token_index, slot and first,
+    the scale and whether q and k are l2-normalised; the output ``[N, H, Dv]`` in q's dtype."""
 
     @staticmethod
-    def forward(ctx, query, key, value, beta, decay, first):
-        t, w, u, k_decayed, chunk_decay, cum = intra_forward_op(key, value, beta, decay)
+    def forward(ctx, q, k, v, g, beta, token_index, slot, first, scale, use_qk_l2norm):
+        query, key, value, decay, beta_s = pack_forward_op(q, k, v, g, beta, token_index, scale, use_qk_l2norm)
+        t, w, u, k_decayed, chunk_decay, cum = intra_forward_op(key, value, beta_s, decay)
         states, v_new = chunk_scan_op(w, u, k_decayed, chunk_decay, first)
         out = output_forward_op(query, key, cum, states, v_new)
-        ctx.save_for_backward(query, key, value, beta, first, t, w, u, k_decayed, chunk_decay, cum, states, v_new)
-        return out
+        ctx.args = (scale, use_qk_l2norm, v.dtype, g.dtype, beta.dtype)
+        ctx.save_for_backward(
+            q, k, token_index, slot, query, key, value, beta_s, first, t, w, u, k_decayed, chunk_decay, cum, states,
+            v_new,
+        )  # fmt: skip
+        return unpack_forward_op(out, slot, q.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
         with torch.autocast(d_out.device.type, enabled=False):  # fp32, as the forward (autocast is off there)
-            return _TritonChunks._backward(ctx, d_out.float())
+            return _TritonChunks._backward(ctx, d_out)
 
     @staticmethod
     def _backward(ctx, d_out):
-        query, key, value, beta, first, t, w, u, k_decayed, chunk_decay, cum, states, v_new = ctx.saved_tensors
+        q, k, token_index, slot, query, key, value, beta, first, t, w, u, k_decayed, chunk_decay, cum, states, v_new = (
+            ctx.saved_tensors
+        )
+        scale, use_qk_l2norm, v_dtype, g_dtype, beta_dtype = ctx.args
+        d_out = unpack_backward_op(d_out, token_index)
         dq, dk_out, dcum, dstates, dv_new = output_backward_op(query, key, cum, states, v_new, d_out)
         dw, du, dkd, dcd = chunk_scan_backward_op(w, k_decayed, chunk_decay, first, states, v_new, dstates, dv_new)
         dk, dv, dbeta, ddecay = intra_backward_op(key, value, beta, cum, t, u, w, du, dw, dkd, dcd, dk_out, dcum)
-        return dq, dk, dv, dbeta, ddecay, None
+        grads = pack_backward_op(
+            q, k, slot, dq, dk, dv, ddecay, dbeta, scale, use_qk_l2norm, v_dtype, g_dtype, beta_dtype
+        )
+        return *grads, None, None, None, None, None

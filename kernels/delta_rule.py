@@ -710,3 +710,378 @@ def output_backward(
     )
     launch(_output_backward_qk_kernel, (h * nc,), q, k, cum, states, v_new, d_out, dq, dkey, dcum, c, dk, dv, **meta)
     return dq, dkey, dcum, dstates, dv_new
+
+
+# ---- the tokens into the chunk layout's slots and back ------------------------------------------------------
+
+# Rows (tokens or slots) of one head per program: about 4096 elements in the widest [rows, D] tile.
+_TILE = 4096
+# transformers' and flash-linear-attention's l2norm eps (``fastft.reference.delta_rule.l2norm``)
+L2NORM_EPS = 1e-6
+
+
+def _rows(width_block: int) -> int:
+    return max(16, min(64, _TILE // width_block))
+
+
+@triton.jit
+def _pack_forward_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    index_ptr,
+    query_ptr,
+    key_ptr,
+    value_ptr,
+    gs_ptr,
+    betas_ptr,
+    N,
+    S,
+    H,
+    DK,
+    DV,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    scale,
+    eps,
+    NORM: tl.constexpr,
+    BS: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    """A block of one head's slots: each slot's token's q (l2-normalised with NORM, times scale), k (normalised
+    with NORM), v, g and beta in fp32, 0 where the slot is empty."""
+    i_s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    os = i_s * BS + tl.arange(0, BS)
+    ms = os < S
+    tok = tl.load(index_ptr + os, mask=ms, other=N)
+    full = tok < N
+    ok, ov = tl.arange(0, BK), tl.arange(0, BV)
+    mk, mv = full[:, None] & (ok < DK)[None, :], full[:, None] & (ov < DV)[None, :]
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + ok[None, :], mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + tok[:, None] * stride_kt + h * stride_kh + ok[None, :], mask=mk, other=0.0).to(tl.float32)
+    if NORM:
+        q *= tl.math.rsqrt(tl.sum(q * q, 1) + eps)[:, None]
+        k *= tl.math.rsqrt(tl.sum(k * k, 1) + eps)[:, None]
+    sk = (h * S + os)[:, None] * DK + ok[None, :]
+    stored = ms[:, None] & (ok < DK)[None, :]
+    tl.store(query_ptr + sk, q * scale, mask=stored)
+    tl.store(key_ptr + sk, k, mask=stored)
+    v = tl.load(v_ptr + tok[:, None] * stride_vt + h * stride_vh + ov[None, :], mask=mv, other=0.0).to(tl.float32)
+    tl.store(value_ptr + (h * S + os)[:, None] * DV + ov[None, :], v, mask=ms[:, None] & (ov < DV)[None, :])
+    th = tok * H + h
+    tl.store(gs_ptr + h * S + os, tl.load(g_ptr + th, mask=full, other=0.0).to(tl.float32), mask=ms)
+    tl.store(betas_ptr + h * S + os, tl.load(beta_ptr + th, mask=full, other=0.0).to(tl.float32), mask=ms)
+
+
+@triton.jit
+def _pack_backward_kernel(
+    q_ptr,
+    k_ptr,
+    slot_ptr,
+    dquery_ptr,
+    dkey_ptr,
+    dvalue_ptr,
+    dgs_ptr,
+    dbetas_ptr,
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    dg_ptr,
+    dbeta_ptr,
+    N,
+    S,
+    H,
+    DK,
+    DV,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    scale,
+    eps,
+    NORM: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    """A block of one head's tokens: the gradients of q, k (through the l2norm with NORM: for ``y = x r``,
+    ``r = 1 / sqrt(sum x^2 + eps)``, ``dx = r (dy - y sum(dy y))``), v, g and beta from their slots', each in its
+    input's dtype ([N, H, D] and [N, H] contiguous)."""
+    i_t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    ot = i_t * BT + tl.arange(0, BT)
+    mt = ot < N
+    slot = tl.load(slot_ptr + ot, mask=mt, other=0)
+    ok, ov = tl.arange(0, BK), tl.arange(0, BV)
+    mk, mv = mt[:, None] & (ok < DK)[None, :], mt[:, None] & (ov < DV)[None, :]
+    sk = (h * S + slot)[:, None] * DK + ok[None, :]
+    dq = tl.load(dquery_ptr + sk, mask=mk, other=0.0) * scale
+    dk = tl.load(dkey_ptr + sk, mask=mk, other=0.0)
+    if NORM:
+        q = tl.load(q_ptr + ot[:, None] * stride_qt + h * stride_qh + ok[None, :], mask=mk, other=0.0).to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(q * q, 1) + eps)[:, None]
+        q *= r
+        dq = r * (dq - q * tl.sum(dq * q, 1)[:, None])
+        k = tl.load(k_ptr + ot[:, None] * stride_kt + h * stride_kh + ok[None, :], mask=mk, other=0.0).to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(k * k, 1) + eps)[:, None]
+        k *= r
+        dk = r * (dk - k * tl.sum(dk * k, 1)[:, None])
+    tk = (ot[:, None] * H + h) * DK + ok[None, :]
+    tl.store(dq_ptr + tk, dq.to(dq_ptr.dtype.element_ty), mask=mk)
+    tl.store(dk_ptr + tk, dk.to(dk_ptr.dtype.element_ty), mask=mk)
+    dv = tl.load(dvalue_ptr + (h * S + slot)[:, None] * DV + ov[None, :], mask=mv, other=0.0)
+    tl.store(dv_ptr + (ot[:, None] * H + h) * DV + ov[None, :], dv.to(dv_ptr.dtype.element_ty), mask=mv)
+    dg = tl.load(dgs_ptr + h * S + slot, mask=mt, other=0.0)
+    tl.store(dg_ptr + ot * H + h, dg.to(dg_ptr.dtype.element_ty), mask=mt)
+    dbeta = tl.load(dbetas_ptr + h * S + slot, mask=mt, other=0.0)
+    tl.store(dbeta_ptr + ot * H + h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=mt)
+
+
+@triton.jit
+def _unpack_forward_kernel(o_ptr, slot_ptr, out_ptr, N, S, H, DV, BT: tl.constexpr, BV: tl.constexpr):
+    """A block of one head's tokens: each token's slot's output, in out's dtype ([N, H, DV] contiguous)."""
+    i_t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    ot, ov = i_t * BT + tl.arange(0, BT), tl.arange(0, BV)
+    mt = ot < N
+    m = mt[:, None] & (ov < DV)[None, :]
+    slot = tl.load(slot_ptr + ot, mask=mt, other=0)
+    o = tl.load(o_ptr + (h * S + slot)[:, None] * DV + ov[None, :], mask=m, other=0.0)
+    tl.store(out_ptr + (ot[:, None] * H + h) * DV + ov[None, :], o.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _unpack_backward_kernel(
+    dout_ptr, index_ptr, do_ptr, N, S, H, DV, stride_t, stride_h, BS: tl.constexpr, BV: tl.constexpr
+):
+    """A block of one head's slots: each slot's token's output gradient in fp32, 0 where the slot is empty."""
+    i_s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    os, ov = i_s * BS + tl.arange(0, BS), tl.arange(0, BV)
+    ms = os < S
+    tok = tl.load(index_ptr + os, mask=ms, other=N)
+    mv = (ov < DV)[None, :]
+    d = tl.load(
+        dout_ptr + tok[:, None] * stride_t + h * stride_h + ov[None, :], mask=(tok < N)[:, None] & mv, other=0.0
+    )
+    tl.store(do_ptr + (h * S + os)[:, None] * DV + ov[None, :], d.to(tl.float32), mask=ms[:, None] & mv)
+
+
+def _unit_inner(v: torch.Tensor) -> torch.Tensor:
+    """``v`` with unit stride along its last dimension (the kernels take the others as strides)."""
+    return v if v.stride(-1) == 1 else v.contiguous()
+
+
+def _check_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must be [N, H, Dk] alike, got {tuple(q.shape)} and {tuple(k.shape)}")
+    if v.dim() != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must be [N, H, Dv] with q's N, H = {tuple(q.shape[:2])}, got {tuple(v.shape)}")
+
+
+def pack_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    token_index: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens into the chunk layout's slots (``fastft.delta_rule.ChunkTable``): for q, k ``[N, H, Dk]``, v
+    ``[N, H, Dv]``, g and beta ``[N, H]`` (any floating dtypes, read as they are) and ``token_index`` ``[NC, C]``
+    (each slot's token, N where empty), fp32 (query ``[H, NC, C, Dk]`` = ``l2norm(q) * scale``, key =
+    ``l2norm(k)`` (q and k as they are without ``use_qk_l2norm``), value ``[H, NC, C, Dv]``, g and beta ``[H,
+    NC, C]``) of each slot's token, 0 in the empty slots."""
+    _check_tokens(q, k, v)
+    n, h, dk = q.shape
+    dv = v.shape[-1]
+    if g.shape != (n, h) or beta.shape != (n, h):
+        raise ValueError(f"g and beta must be [N, H] = {(n, h)}, got {tuple(g.shape)} and {tuple(beta.shape)}")
+    if token_index.dim() != 2:
+        raise ValueError(f"token_index must be [NC, C], got shape {tuple(token_index.shape)}")
+    nc, cs = token_index.shape
+    q, k, v = (_unit_inner(x) for x in (q, k, v))
+    f32 = torch.float32
+    query, key = (q.new_empty(h, nc, cs, dk, dtype=f32) for _ in range(2))
+    value = q.new_empty(h, nc, cs, dv, dtype=f32)
+    gs, betas = (q.new_empty(h, nc, cs, dtype=f32) for _ in range(2))
+    if h * nc * cs == 0:
+        return query, key, value, gs, betas
+    bk, bv = next_power_of_2(dk), next_power_of_2(dv)
+    bs = _rows(max(bk, bv))
+    launch(
+        _pack_forward_kernel,
+        (cdiv(nc * cs, bs), h),
+        q,
+        k,
+        v,
+        g.contiguous(),
+        beta.contiguous(),
+        token_index.contiguous(),
+        query,
+        key,
+        value,
+        gs,
+        betas,
+        n,
+        nc * cs,
+        h,
+        dk,
+        dv,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        float(scale),
+        L2NORM_EPS,
+        NORM=bool(use_qk_l2norm),
+        BS=bs,
+        BK=bk,
+        BV=bv,
+        num_warps=4,
+    )
+    return query, key, value, gs, betas
+
+
+def pack_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    slot: torch.Tensor,
+    dquery: torch.Tensor,
+    dkey: torch.Tensor,
+    dvalue: torch.Tensor,
+    dg: torch.Tensor,
+    dbeta: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype, torch.dtype, torch.dtype],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack_forward``'s backward, with ``slot`` ``[N]`` (each token's slot, chunk * C + j): from the slots'
+    gradients (dquery, dkey ``[H, NC, C, Dk]``, dvalue ``[H, NC, C, Dv]``, dg, dbeta ``[H, NC, C]``) and q, k as
+    ``pack_forward`` read them, the gradients of q, k, v ``[N, H, D]`` and g, beta ``[N, H]``, contiguous, in
+    ``dtypes`` (those of q, k, v, g, beta)."""
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must be [N, H, Dk] alike, got {tuple(q.shape)} and {tuple(k.shape)}")
+    n, h, dk = q.shape
+    if dquery.dim() != 4 or dquery.shape[0] != h or dquery.shape[3] != dk or dkey.shape != dquery.shape:
+        raise ValueError(f"dquery and dkey must be [H, NC, C, Dk] with q's H, Dk, got {tuple(dquery.shape)}")
+    hh, nc, cs = dquery.shape[:3]
+    if dvalue.dim() != 4 or dvalue.shape[:3] != (hh, nc, cs):
+        raise ValueError(f"dvalue must be [H, NC, C, Dv] = {(hh, nc, cs)} + (Dv,), got {tuple(dvalue.shape)}")
+    if dg.shape != (hh, nc, cs) or dbeta.shape != (hh, nc, cs):
+        raise ValueError(f"dg and dbeta must be [H, NC, C] = {(hh, nc, cs)}, got {tuple(dg.shape)}")
+    if slot.shape != (n,):
+        raise ValueError(f"slot must be [N] = {(n,)}, got {tuple(slot.shape)}")
+    dv_width = dvalue.shape[-1]
+    out = tuple(
+        q.new_empty(shape, dtype=dtype)
+        for shape, dtype in zip(((n, h, dk),) * 2 + ((n, h, dv_width),) + ((n, h),) * 2, dtypes)
+    )
+    if n * h == 0:
+        return out
+    q, k = _unit_inner(q), _unit_inner(k)
+    bk, bv = next_power_of_2(dk), next_power_of_2(dv_width)
+    bt = _rows(max(bk, bv))
+    launch(
+        _pack_backward_kernel,
+        (cdiv(n, bt), h),
+        q,
+        k,
+        slot.contiguous(),
+        *(x.float().contiguous() for x in (dquery, dkey, dvalue, dg, dbeta)),
+        *out,
+        n,
+        nc * cs,
+        h,
+        dk,
+        dv_width,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        float(scale),
+        L2NORM_EPS,
+        NORM=bool(use_qk_l2norm),
+        BT=bt,
+        BK=bk,
+        BV=bv,
+        num_warps=4,
+    )
+    return out
+
+
+def unpack_forward(o: torch.Tensor, slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The slots back to the tokens: for o ``[H, NC, C, Dv]`` (fp32) and ``slot`` ``[N]`` (each token's slot),
+    out ``[N, H, Dv]`` in ``dtype``, ``out[t, h] = o[h].view(-1, Dv)[slot[t]]``."""
+    if o.dim() != 4:
+        raise ValueError(f"o must be [H, NC, C, Dv], got shape {tuple(o.shape)}")
+    if slot.dim() != 1:
+        raise ValueError(f"slot must be [N], got shape {tuple(slot.shape)}")
+    h, nc, cs, dv = o.shape
+    n = slot.shape[0]
+    out = o.new_empty(n, h, dv, dtype=dtype)
+    if n * h == 0:
+        return out
+    bv = next_power_of_2(dv)
+    bt = _rows(bv)
+    launch(
+        _unpack_forward_kernel,
+        (cdiv(n, bt), h),
+        o.float().contiguous(),
+        slot.contiguous(),
+        out,
+        n,
+        nc * cs,
+        h,
+        dv,
+        BT=bt,
+        BV=bv,
+        num_warps=4,
+    )
+    return out
+
+
+def unpack_backward(dout: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
+    """``unpack_forward``'s backward: for dout ``[N, H, Dv]`` and ``token_index`` ``[NC, C]`` (each slot's
+    token, N where empty), the slots' gradient ``[H, NC, C, Dv]`` fp32, 0 in the empty slots."""
+    if dout.dim() != 3:
+        raise ValueError(f"dout must be [N, H, Dv], got shape {tuple(dout.shape)}")
+    if token_index.dim() != 2:
+        raise ValueError(f"token_index must be [NC, C], got shape {tuple(token_index.shape)}")
+    n, h, dv = dout.shape
+    nc, cs = token_index.shape
+    d = dout.new_empty(h, nc, cs, dv, dtype=torch.float32)
+    if h * nc * cs == 0:
+        return d
+    dout = _unit_inner(dout)
+    bv = next_power_of_2(dv)
+    bs = _rows(bv)
+    launch(
+        _unpack_backward_kernel,
+        (cdiv(nc * cs, bs), h),
+        dout,
+        token_index.contiguous(),
+        d,
+        n,
+        nc * cs,
+        h,
+        dv,
+        dout.stride(0),
+        dout.stride(1),
+        BS=bs,
+        BV=bv,
+        num_warps=4,
+    )
+    return d

@@ -58,9 +58,7 @@ def _rms_norm_forward_kernel(
             s = z * tl.sigmoid(z)
         if GATE == 2:
             x = x * s
-    # 1 / sqrt, each correctly rounded (torch's rounding): sm90's rsqrt is approximate, and a row of one channel
-    # (or a group of one) normalises to +-1 with a gradient that is a cancellation scaled by r.
-    rstd = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), tl.sqrt_rn(tl.sum(x * x, axis=1) / width + eps))
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / width + eps)
     w = tl.load(w_ptr + c, mask=c < width, other=0.0).to(tl.float32) + offset
     y = x * rstd[:, None] * w[None, :]
     if GATE == 1:

@@ -22,8 +22,12 @@ from fastft.delta_rule import (
     intra_forward_op,
     output_backward_op,
     output_forward_op,
+    pack_backward_op,
+    pack_forward_op,
     pairwise,
     scan_chunks,
+    unpack_backward_op,
+    unpack_forward_op,
 )
 from fastft.reference import delta_rule as reference
 
@@ -478,6 +482,82 @@ def test_intra_ops_pass_opcheck(device, rng):
     torch.library.opcheck(output_forward_op.op, (q, k, cum, states, v_new))
     d_out = torch.randn(v_new.shape, generator=rng).to(device)
     torch.library.opcheck(output_backward_op.op, (q, k, cum, states, v_new, d_out))
+
+
+def _tokens(rng, n, h, dk, dv, device, dtype, strided):
+    """q, k ``[N, H, Dk]``, v ``[N, H, Dv]`` (views with a token stride past the heads when ``strided``), g and
+    beta ``[N, H]``, in ``dtype``."""
+    pad = 3 if strided else 0
+    q, k = (torch.randn(n, h, dk + pad, generator=rng).to(device, dtype)[..., :dk] for _ in range(2))
+    v = torch.randn(n, h, dv + pad, generator=rng).to(device, dtype)[..., :dv]
+    g = (-torch.rand(n, h, generator=rng)).to(device, dtype)
+    beta = torch.rand(n, h, generator=rng).to(device, dtype)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("lengths, c, dk, dv", [([5, 1, 9], 4, 8, 24), ([3, 14], 16, 5, 7), ([70, 2], 64, 40, 72)])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype, strided", [(torch.float32, False), (torch.bfloat16, True)])
+def test_pack_and_unpack_match_torch(device, rng, lengths, c, dk, dv, norm, dtype, strided):
+    """The tokens into the slots (q, k l2-normalised with ``norm``, q scaled; zeros in the empty slots) and back,
+    and their backward, against the torch steps they replace and their autograd: widths past one block, cut
+    short, rows of a stride past the head, 16-bit inputs (gradients in each input's dtype)."""
+    info = fastft.packed_seq_info(seq_lengths=lengths, device=device)
+    table = chunk_table(info, c)
+    n, h, scale = sum(lengths), 3, 0.3
+    inputs = [x.requires_grad_() for x in _tokens(rng, n, h, dk, dv, device, dtype, strided)]
+    q, k, v, g, beta = inputs
+
+    def slots(x):  # [N, H, D] -> [H, NC, C, D], zeros in the empty slots
+        empty = x.new_zeros(h, table.num_chunks_bound * c, x.shape[-1])
+        return empty.index_copy(1, table.slot, x.transpose(0, 1)).view(h, table.num_chunks_bound, c, -1)
+
+    qf, kf = q.float(), k.float()
+    if norm:
+        qf, kf = reference.l2norm(qf), reference.l2norm(kf)
+    want = [slots(qf * scale), slots(kf), slots(v.float()), slots(g.float()[..., None])[..., 0]]
+    want.append(slots(beta.float()[..., None])[..., 0])
+    got = pack_forward_op(*(x.detach() for x in inputs), table.token_index, scale, norm)
+    for name, a, e in zip(("query", "key", "value", "g", "beta"), got, want):
+        assert a.shape == e.shape and a.dtype == torch.float32, name
+        assert_close_to(a, e, name)
+    grads = [torch.randn(x.shape, generator=rng).to(device) for x in want]
+    want_grads = torch.autograd.grad(want, inputs, grads)
+    got_grads = pack_backward_op(
+        q.detach(), k.detach(), table.slot, *grads, scale, norm, v.dtype, g.dtype, beta.dtype
+    )  # fmt: skip
+    for name, a, e in zip(("dq", "dk", "dv", "dg", "dbeta"), got_grads, want_grads):
+        assert a.shape == e.shape and a.dtype == e.dtype and a.is_contiguous(), name
+        if dtype == torch.float32:
+            assert_close_to(a, e, name)
+        else:  # one rounding of the fp32 gradient to the input's dtype each
+            torch.testing.assert_close(a.float(), e.float(), rtol=2**-7, atol=1e-6, msg=name)
+
+    o = torch.randn(h, table.num_chunks_bound, c, dv, generator=rng).to(device).requires_grad_()
+    want_out = o.view(h, -1, dv).transpose(0, 1).index_select(0, table.slot).to(dtype)
+    out = unpack_forward_op(o.detach(), table.slot, dtype)
+    assert out.dtype == dtype
+    if device.type == "cuda" or dtype == torch.float32:
+        assert torch.equal(out, want_out)
+    else:  # Triton's interpreter rounds fp32 to bf16 toward zero
+        torch.testing.assert_close(out, want_out, rtol=2**-7, atol=0)
+    d_out = torch.randn(n, h, dv + 2, generator=rng).to(device, dtype)[..., :dv]
+    (want_do,) = torch.autograd.grad(want_out, o, d_out)
+    assert torch.equal(unpack_backward_op(d_out, table.token_index), want_do)
+
+
+def test_pack_ops_pass_opcheck(device, rng):
+    info = fastft.packed_seq_info(seq_lengths=[3, 5], device=device)
+    table = chunk_table(info, 4)
+    q, k, v, g, beta = _tokens(rng, 8, 2, 4, 6, device, torch.float32, False)
+    torch.library.opcheck(pack_forward_op.op, (q, k, v, g, beta, table.token_index, 0.5, True))
+    slots = pack_forward_op(q, k, v, g, beta, table.token_index, 0.5, True)
+    grads = [torch.randn(x.shape, generator=rng).to(device) for x in slots]
+    args = (q, k, table.slot, *grads, 0.5, True, torch.float32, torch.float32, torch.float32)
+    torch.library.opcheck(pack_backward_op.op, args)
+    o = torch.randn(2, table.num_chunks_bound, 4, 6, generator=rng).to(device)
+    torch.library.opcheck(unpack_forward_op.op, (o, table.slot, torch.bfloat16))
+    torch.library.opcheck(unpack_backward_op.op, (torch.randn(8, 2, 6, generator=rng).to(device), table.token_index))
 
 
 # ---- transformers' implementation, one document at a time -------------------------------------------------
