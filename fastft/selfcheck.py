@@ -377,7 +377,10 @@ def check_rms_norm(g: torch.Generator, device, max_tokens: int) -> None:
     value."""
     from fastft.reference import rms_norm as reference
 
-    rows, group_size, groups = randint(g, 1, max_tokens), randint(g, 1, 300), randint(g, 1, 4)
+    # Groups (and rows) of at least 2 channels: one channel normalises to +-1 and its gradient is a cancellation
+    # of terms of size 1/|x|, which two fp32 paths round differently by more than a fixed bound (the unit tests
+    # check that case with a bound that counts those terms).
+    rows, group_size, groups = randint(g, 1, max_tokens), randint(g, 2, 300), randint(g, 1, 4)
     width = group_size * groups
     x = (torch.randn(rows, width, generator=g) * 2).to(device).requires_grad_()
     w = torch.randn(width, generator=g).to(device).requires_grad_()
