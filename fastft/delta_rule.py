@@ -14,9 +14,9 @@ the state is carried from chunk to chunk and zeroed where a chunk starts a docum
 back. Backends: ``torch`` (the intra-chunk part batched in torch with autograd for its backward, the carry
 ``scan_chunks``, a Python loop over chunks: the specification) and ``triton`` (the carry ``chunk_scan_op``, a
 Triton scan forward and a reverse scan backward; with one decay per head, chunks of at most 64 tokens and heads of
-at most 128 also the intra-chunk part and the output's products, ``_TritonChunks``: ``intra_forward_op``,
-``intra_backward_op``, ``output_forward_op``, ``output_backward_op``, ``kernels/delta_rule.py``, and the backward
-written out; otherwise those stay torch). The Triton
+at most 128 the whole op, ``_TritonChunks``: the tokens into the slots with q's and k's l2norm ``pack_forward_op``,
+``intra_forward_op``, ``output_forward_op``, the slots back to the tokens ``unpack_forward_op``, their backward
+ops, ``kernels/delta_rule.py``, and the backward written out; otherwise the rest stays torch). The Triton
 backward reads the entering states the forward returned (the op keeps them anyway, for ``query @ states``) and
 writes the gradient of every chunk's leaving state, one more fp32 ``[H, num_chunks_bound, Dk, Dv]`` tensor (64 KiB
 per chunk and head at 128 x 128: 270 MiB at T=8192, 32 heads, chunk 64) alive during the op's backward.

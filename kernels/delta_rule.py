@@ -1,5 +1,6 @@
 """Triton kernels for fastft.delta_rule's chunked gated delta rule: the scan over chunks (its sequential part)
-and, for one log decay per head, the intra-chunk part.
+and, for one log decay per head, the intra-chunk part, the output's products and the passes into the chunk
+layout and back.
 
 ``chunk_scan(w, u, k_decayed, chunk_decay, first, ...)`` computes what ``fastft.delta_rule.scan_chunks``
 computes (its specification): for each head, chunk after chunk, the state entering the chunk (zeroed where
@@ -24,8 +25,11 @@ TF32 high part and the TF32 rest, three products summed: fp32's accuracy, not TF
 
 ``intra_forward`` / ``intra_backward`` run one program per (head, chunk of at most 64 tokens), all chunks at
 once: the chunk's ``T = (I + L)^-1`` (blocks of 16 by forward substitution, merged by products), ``w``, ``u``
-and the decays, and their backward through ``T`` without a solve. ``fastft.delta_rule._TritonChunks`` states
-the algorithm; the torch backend's autograd graph is its specification.
+and the decays, and their backward through ``T`` without a solve. ``output_forward`` / ``output_backward``: the
+output's products per chunk. ``pack_forward`` / ``pack_backward`` and ``unpack_forward`` / ``unpack_backward``:
+the tokens into the chunk layout's fp32 slots (q and k l2-normalised, q scaled) and the output back, one program
+per head and block of rows. ``fastft.delta_rule._TritonChunks`` states the algorithm; the torch backend's
+autograd graph is its specification.
 """
 
 from __future__ import annotations
