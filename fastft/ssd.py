@@ -14,8 +14,9 @@ zeroed where a chunk starts a document, and the outputs are gathered back. Backe
 part batched in torch with autograd for its backward, the carry ``scan_states``, a Python loop over chunks: the
 specification) and ``triton`` (the carry ``state_scan_op``, a Triton scan forward and a reverse scan backward;
 with chunks of at most 64 tokens, states of at most 256 and heads of at most 128 the whole op but the step's
-discretization and B's and C's gather, ``_TritonScan``: x and the step into the slots ``pack_forward_op``, the
-intra-chunk part ``intra_forward_op``, the output's share from each chunk's entering state
+discretization, ``_TritonScan``: x and the step into the slots ``pack_forward_op``, B and C
+``bc_pack_forward_op``, the intra-chunk part ``intra_forward_op``, the output's share from each chunk's entering
+state
 ``output_forward_op``, the outputs back to the tokens with D and z ``unpack_forward_op``, ``kernels/ssd.py``, and
 the backward written out with their ``_backward`` ops). Memory: the entering state of every chunk, fp32 ``[H,
 num_chunks_bound, P, N]`` (as mamba_ssm keeps), and in the backward its gradient.
@@ -427,6 +428,40 @@ def _(dout, y, x, token_index, D, z):
     )
 
 
+@custom_op("fastft::ssd_bc_pack_forward")
+def bc_pack_forward_op(
+    B: torch.Tensor, C: torch.Tensor, token_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.ssd.bc_pack_forward``: B and C in the slots, fp32, not differentiable."""
+    from .kernels import ssd as kernels
+
+    return kernels.bc_pack_forward(B, C, token_index)
+
+
+@bc_pack_forward_op.register_fake
+def _(B, C, token_index):
+    g, ns = B.shape[1:]
+    nc, cs = token_index.shape
+    return tuple(B.new_empty(g, nc, cs, ns, dtype=torch.float32) for _ in range(2))
+
+
+@custom_op("fastft::ssd_bc_pack_backward")
+def bc_pack_backward_op(
+    db: torch.Tensor, dc: torch.Tensor, slot: torch.Tensor, b_dtype: torch.dtype, c_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.ssd.bc_pack_backward``: B's and C's gradients ``[N, G, NS]`` in ``b_dtype`` and ``c_dtype``."""
+    from .kernels import ssd as kernels
+
+    return kernels.bc_pack_backward(db, dc, slot, b_dtype, c_dtype)
+
+
+@bc_pack_backward_op.register_fake
+def _(db, dc, slot, b_dtype, c_dtype):
+    g, _, _, ns = db.shape
+    n = slot.shape[0]
+    return db.new_empty(n, g, ns, dtype=b_dtype), db.new_empty(n, g, ns, dtype=c_dtype)
+
+
 # ---- the op's Triton path --------------------------------------------------------------------------------------
 
 
@@ -435,7 +470,7 @@ def _on_triton(x, step, A, B, C, D, z, table: ChunkTable) -> torch.Tensor:
     step ``[N, H]`` fp32, z ``[N, H, P]`` or None and the op's other arguments (B and C ``[B, T, G, N]``)."""
     n = x.shape[0]
     g, state_size = B.shape[-2:]
-    b, c = (_slots(v.reshape(n, g, state_size).float(), table) for v in (B, C))  # [G, NC, C, N]
+    b, c = (v.reshape(n, g, state_size) for v in (B, C))
     exact = all(v.dtype in (torch.bfloat16, torch.float16) for v in (B, C))  # their fp32 copies are exact in TF32
     D = None if D is None else D.float()
     return _TritonScan.apply(x, step, A.float(), b, c, D, z, table.token_index, table.slot, table.first, exact)
@@ -446,15 +481,17 @@ class _TritonScan(torch.autograd.Function):
     specification): the tokens into the chunk layout's slots (``pack_forward_op``: ``x * step`` and ``step * A``),
     the chunked algorithm (``_chunks_forward``), the slots back to the tokens with the skip and the gate
     (``unpack_forward_op``). x's gradient is summed in fp32 over its two uses (``x * step`` and ``D * x``) and
-    rounded once to x's dtype. Inputs: x ``[N, H, P]`` and z (or None) in their dtypes, step ``[N, H]``, A ``[H]``,
-    B and C ``[G, NC, C, N]``, D (or None) fp32, the chunk table's token_index, slot and first, and whether B and C
-    are exact in TF32 (copied from 16-bit inputs)."""
+    rounded once to x's dtype. B and C go into the slots and their gradients back (``bc_pack_forward_op``,
+    ``bc_pack_backward_op``). Inputs: x ``[N, H, P]`` and z (or None) in their dtypes, step ``[N, H]``, A
+    ``[H]``, B and C ``[N, G, N]`` in their dtypes, D (or None) fp32, the chunk table's token_index, slot and
+    first, and whether B and C are exact in TF32 (16-bit inputs)."""
 
     @staticmethod
-    def forward(ctx, x, step, A, b, c, D, z, token_index, slot, first, bc_exact):
+    def forward(ctx, x, step, A, B, C, D, z, token_index, slot, first, bc_exact):
         x_dt, a = pack_forward_op(x, step, A, token_index)
+        b, c = bc_pack_forward_op(B, C, token_index)
         y, decay, states = _chunks_forward(x_dt, a, b, c, first, bc_exact)
-        ctx.bc_exact = bc_exact
+        ctx.args = (bc_exact, B.dtype, C.dtype)
         keep = y if z is not None else None  # dz reads the output before the gate
         ctx.save_for_backward(x, step, A, b, c, D, z, token_index, slot, first, x_dt, a, decay, states, keep)
         return unpack_forward_op(y, x, slot, D, z)
@@ -463,10 +500,12 @@ class _TritonScan(torch.autograd.Function):
     def backward(ctx, dout):
         with torch.autocast(dout.device.type, enabled=False):  # fp32, as the forward (autocast is off there)
             x, step, A, b, c, D, z, token_index, slot, first, x_dt, a, decay, states, y = ctx.saved_tensors
+            bc_exact, b_dtype, c_dtype = ctx.args
             dy, dx_skip, dD, dz = unpack_backward_op(dout, y, x, token_index, D, z)
-            dx_dt, da, db, dc = _chunks_backward(x_dt, a, b, c, first, decay, states, dy, ctx.bc_exact)
+            dx_dt, da, db, dc = _chunks_backward(x_dt, a, b, c, first, decay, states, dy, bc_exact)
             dx, dstep, dA = pack_backward_op(x, step, A, slot, dx_dt, da, None if D is None else dx_skip)
-        return dx, dstep, dA, db, dc, None if D is None else dD, None if z is None else dz, None, None, None, None
+            dB, dC = bc_pack_backward_op(db, dc, slot, b_dtype, c_dtype)
+        return dx, dstep, dA, dB, dC, None if D is None else dD, None if z is None else dz, None, None, None, None
 
 
 def _chunks_forward(x, a, b, c, first, bc_exact=False):

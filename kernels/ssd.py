@@ -1081,6 +1081,53 @@ def _unpack_backward_kernel(
         tl.store(dD_ptr + (i_s * H + h) * P + op, tl.sum(g * x, 0), mask=mp)
 
 
+@triton.jit
+def _bc_pack_forward_kernel(
+    b_ptr,
+    c_ptr,
+    index_ptr,
+    bs_ptr,
+    cs_ptr,
+    N,
+    S,
+    NS,
+    stride_bt,
+    stride_bg,
+    stride_ct,
+    stride_cg,
+    BS: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """A block of one group's slots: each slot's token's B and C in fp32, 0 where the slot is empty."""
+    i_s = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1).to(tl.int64)
+    os, on = i_s * BS + tl.arange(0, BS), tl.arange(0, BN)
+    ms, mn = os < S, on < NS
+    tok = tl.load(index_ptr + os, mask=ms, other=N)
+    m = (tok < N)[:, None] & mn[None, :]
+    b = tl.load(b_ptr + tok[:, None] * stride_bt + grp * stride_bg + on[None, :], mask=m, other=0.0)
+    c = tl.load(c_ptr + tok[:, None] * stride_ct + grp * stride_cg + on[None, :], mask=m, other=0.0)
+    sp = (grp * S + os)[:, None] * NS + on[None, :]
+    tl.store(bs_ptr + sp, b.to(tl.float32), mask=ms[:, None] & mn[None, :])
+    tl.store(cs_ptr + sp, c.to(tl.float32), mask=ms[:, None] & mn[None, :])
+
+
+@triton.jit
+def _bc_pack_backward_kernel(db_ptr, dc_ptr, slot_ptr, dB_ptr, dC_ptr, N, S, G, NS, BT: tl.constexpr, BN: tl.constexpr):
+    """A block of one group's tokens: B's and C's gradients from their slots', in dB's and dC's dtypes ([N, G,
+    NS] contiguous)."""
+    i_t = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1).to(tl.int64)
+    ot, on = i_t * BT + tl.arange(0, BT), tl.arange(0, BN)
+    mt = ot < N
+    m = mt[:, None] & (on < NS)[None, :]
+    slot = tl.load(slot_ptr + ot, mask=mt, other=0)
+    sp = (grp * S + slot)[:, None] * NS + on[None, :]
+    tp = (ot[:, None] * G + grp) * NS + on[None, :]
+    tl.store(dB_ptr + tp, tl.load(db_ptr + sp, mask=m, other=0.0).to(dB_ptr.dtype.element_ty), mask=m)
+    tl.store(dC_ptr + tp, tl.load(dc_ptr + sp, mask=m, other=0.0).to(dC_ptr.dtype.element_ty), mask=m)
+
+
 def _unit_inner(v: torch.Tensor) -> torch.Tensor:
     """``v`` with unit stride along its last dimension (the kernels take the others as strides)."""
     return v if v.stride(-1) == 1 else v.contiguous()
@@ -1333,3 +1380,77 @@ def unpack_backward(
     if D is not None:
         dD = dD.sum(0) if D.dim() == 2 else dD.sum((0, 2))
     return dy, dx, dD, dz
+
+
+def bc_pack_forward(B: torch.Tensor, C: torch.Tensor, token_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """B and C into the chunk layout's slots: for B, C ``[N, G, NS]`` (any floating dtypes, read as they are) and
+    ``token_index`` ``[NC, C]`` (each slot's token, N where empty), fp32 ``[G, NC, C, NS]`` each, 0 in the empty
+    slots."""
+    if B.dim() != 3 or C.shape != B.shape:
+        raise ValueError(f"B and C must be [N, G, NS] alike, got {tuple(B.shape)} and {tuple(C.shape)}")
+    if token_index.dim() != 2:
+        raise ValueError(f"token_index must be [NC, C], got shape {tuple(token_index.shape)}")
+    n, g, ns = B.shape
+    nc, cs = token_index.shape
+    B, C = _unit_inner(B), _unit_inner(C)
+    b, c = (B.new_empty(g, nc, cs, ns, dtype=torch.float32) for _ in range(2))
+    if g * nc * cs == 0:
+        return b, c
+    bn = next_power_of_2(ns)
+    bs = _rows(bn)
+    launch(
+        _bc_pack_forward_kernel,
+        (cdiv(nc * cs, bs), g),
+        B,
+        C,
+        token_index.contiguous(),
+        b,
+        c,
+        n,
+        nc * cs,
+        ns,
+        B.stride(0),
+        B.stride(1),
+        C.stride(0),
+        C.stride(1),
+        BS=bs,
+        BN=bn,
+        num_warps=4,
+    )
+    return b, c
+
+
+def bc_pack_backward(
+    db: torch.Tensor, dc: torch.Tensor, slot: torch.Tensor, b_dtype: torch.dtype, c_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bc_pack_forward``'s backward, with ``slot`` ``[N]`` (each token's slot, chunk * C + j): from the slots'
+    gradients ``[G, NC, C, NS]``, B's and C's ``[N, G, NS]`` (contiguous) in ``b_dtype`` and ``c_dtype``."""
+    if db.dim() != 4 or dc.shape != db.shape:
+        raise ValueError(f"db and dc must be [G, NC, C, NS] alike, got {tuple(db.shape)} and {tuple(dc.shape)}")
+    if slot.dim() != 1:
+        raise ValueError(f"slot must be [N], got shape {tuple(slot.shape)}")
+    g, nc, cs, ns = db.shape
+    n = slot.shape[0]
+    dB = db.new_empty(n, g, ns, dtype=b_dtype)
+    dC = db.new_empty(n, g, ns, dtype=c_dtype)
+    if n * g == 0:
+        return dB, dC
+    bn = next_power_of_2(ns)
+    bt = _rows(bn)
+    launch(
+        _bc_pack_backward_kernel,
+        (cdiv(n, bt), g),
+        db.float().contiguous(),
+        dc.float().contiguous(),
+        slot.contiguous(),
+        dB,
+        dC,
+        n,
+        nc * cs,
+        g,
+        ns,
+        BT=bt,
+        BN=bn,
+        num_warps=4,
+    )
+    return dB, dC

@@ -19,6 +19,8 @@ from fastft.delta_rule import chunk_table
 from fastft.reference import ssd as reference
 from fastft.ssd import (
     OP_SCAN,
+    bc_pack_backward_op,
+    bc_pack_forward_op,
     intra_backward_op,
     intra_forward_op,
     output_backward_op,
@@ -537,6 +539,35 @@ def test_pack_kernels_match_torch(device, rng, dtype, skip):
         assert_rounded_close(u, e, name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ns", [5, 40])
+def test_bc_pack_kernels_match_torch(device, rng, dtype, ns):
+    """B and C into the slots (fp32, 0 in the empty ones) and their gradients back, each in its input's dtype,
+    against the torch path's gather (exact: a copy) and its autograd (one rounding); strided rows of two groups;
+    states past one block of 16 rows' columns."""
+    from fastft.kernels import ssd as kernels
+
+    lengths, c = GLUE_LENGTHS
+    table, *_ = glue_inputs(rng, lengths, c, 2, 3, dtype, device)
+    n, g = sum(lengths), 2
+    B = torch.randn(n, g, ns + 3, generator=rng).to(device, dtype)[..., :ns]
+    C = torch.randn(n, g, ns, generator=rng).to(device, torch.float16)  # each in its own dtype
+    inputs = [v.detach().float().requires_grad_() for v in (B, C)]
+    want = [slots_torch(v, table) for v in inputs]
+    got = kernels.bc_pack_forward(B, C, table.token_index)
+    for name, u, e in zip(("b", "c"), got, want):
+        assert u.shape == e.shape and u.dtype == torch.float32 and torch.equal(u, e), name
+    grads = [torch.randn(v.shape, generator=rng).to(device) for v in want]  # nonzero in the empty slots too
+    want = torch.autograd.grad(want, inputs, grads)
+    got = kernels.bc_pack_backward(*grads, table.slot, B.dtype, C.dtype)
+    for name, u, e, v in zip(("dB", "dC"), got, want, (B, C)):
+        assert u.shape == v.shape and u.dtype == v.dtype and u.is_contiguous(), name
+        if device.type == "cuda" or u.dtype == torch.float32:
+            assert torch.equal(u, e.to(u.dtype)), name
+        else:  # Triton's interpreter rounds fp32 to 16 bits toward zero
+            torch.testing.assert_close(u, e.to(u.dtype), msg=name)
+
+
 def unpack_torch(y, x, slot, D, z):
     """The torch path's glue after the scan: ``(y[slot] + D x) * silu(z)`` in fp32, rounded to x's dtype."""
     h, p = x.shape[1:]
@@ -599,6 +630,10 @@ def test_glue_ops_pass_opcheck(device, rng):
         torch.library.opcheck(unpack_forward_op.op, (x_dt, x, table.slot, D, gate))
         dout = torch.randn(x.shape, generator=rng).to(device, x.dtype)
         torch.library.opcheck(unpack_backward_op.op, (dout, x_dt, x, table.token_index, D, gate))
+    B, C = (torch.randn(n, 2, 4, generator=rng).to(device, torch.bfloat16) for _ in range(2))
+    torch.library.opcheck(bc_pack_forward_op.op, (B, C, table.token_index))
+    db, dc = (torch.randn(v.shape, generator=rng).to(device) for v in bc_pack_forward_op(B, C, table.token_index))
+    torch.library.opcheck(bc_pack_backward_op.op, (db, dc, table.slot, torch.bfloat16, torch.float32))
 
 
 def test_glue_kernels_refuse_mismatched_shapes(device, rng):
@@ -618,6 +653,11 @@ def test_glue_kernels_refuse_mismatched_shapes(device, rng):
         kernels.unpack_forward(x_dt, x, table.slot, D=torch.zeros(3, device=device))
     with pytest.raises(ValueError, match="y must be given with z"):
         kernels.unpack_backward(x, None, x, table.token_index, None, x)
+    with pytest.raises(ValueError, match=r"B and C must be \[N, G, NS\] alike"):
+        kernels.bc_pack_forward(x, x[:, :1], table.token_index)
+    b, c = kernels.bc_pack_forward(x, x, table.token_index)
+    with pytest.raises(ValueError, match=r"db and dc must be \[G, NC, C, NS\] alike"):
+        kernels.bc_pack_backward(b, c[..., :1], table.slot, x.dtype, x.dtype)
 
 
 # ---- transformers' implementation, one document at a time -------------------------------------------------
