@@ -13,8 +13,8 @@ leaves from a zero entering state) runs over all chunks at once, the state is ca
 zeroed where a chunk starts a document, and the outputs are gathered back. Backends: ``torch`` (the intra-chunk
 part batched in torch with autograd for its backward, the carry ``scan_states``, a Python loop over chunks: the
 specification) and ``triton`` (the carry ``state_scan_op``, a Triton scan forward and a reverse scan backward;
-with chunks of at most 64 tokens, states of at most 256 and heads of at most 128 the whole op but the step's
-discretization, ``_TritonScan``: x and the step into the slots ``pack_forward_op``, B and C
+with chunks of at most 64 tokens, states of at most 256 and heads of at most 128 the whole op, ``_TritonScan``:
+x and the step (discretized there) into the slots ``pack_forward_op``, B and C
 ``bc_pack_forward_op``, the intra-chunk part ``intra_forward_op``, the output's share from each chunk's entering
 state
 ``output_forward_op``, the outputs back to the tokens with D and z ``unpack_forward_op``, ``kernels/ssd.py``, and
@@ -144,10 +144,11 @@ def packed_ssd_scan(
         return x.new_zeros(x.shape)
     table = chunk_table(info, chunk_size)
     with torch.autocast(x.device.type, enabled=False):
-        step = discretize(dt.reshape(b * t, h), dt_bias, dt_softplus, dt_limit).float()
         if chosen == "triton" and chunk_size <= _TRITON_INTRA_MAX_CHUNK and B.shape[-1] <= 256 and p <= 128:
             z = None if z is None else z.reshape(b * t, h, p)
-            return _on_triton(x.reshape(b * t, h, p), step, A, B, C, D, z, table).view(b, t, h, p)
+            x, dt = x.reshape(b * t, h, p), dt.reshape(b * t, h)
+            return _on_triton(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, table).view(b, t, h, p)
+        step = discretize(dt.reshape(b * t, h), dt_bias, dt_softplus, dt_limit).float()
         xf = x.reshape(b * t, h, p).float()  # cast once: x's gradient is summed in fp32, rounded once
         y = _chunked(xf, step, A, B, C, table, chosen)  # [N, H, P]
         if D is not None:
@@ -343,16 +344,23 @@ def _(dy, a, c, states, bc_exact):
 
 @custom_op("fastft::ssd_pack_forward")
 def pack_forward_op(
-    x: torch.Tensor, step: torch.Tensor, A: torch.Tensor, token_index: torch.Tensor
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    token_index: torch.Tensor,
+    dt_bias: Optional[torch.Tensor],  # noqa: UP045  (torch.library.custom_op reads it: Optional spelled out)
+    dt_softplus: bool,
+    dt_low: float,
+    dt_high: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kernels.ssd.pack_forward``: (x_dt, a) fp32, not differentiable."""
     from .kernels import ssd as kernels
 
-    return kernels.pack_forward(x, step, A, token_index)
+    return kernels.pack_forward(x, dt, A, token_index, dt_bias, dt_softplus, (dt_low, dt_high))
 
 
 @pack_forward_op.register_fake
-def _(x, step, A, token_index):
+def _(x, dt, A, token_index, dt_bias, dt_softplus, dt_low, dt_high):
     h, p = x.shape[1:]
     nc, cs = token_index.shape
     return x.new_empty(h, nc, cs, p, dtype=torch.float32), x.new_empty(h, nc, cs, dtype=torch.float32)
@@ -361,23 +369,29 @@ def _(x, step, A, token_index):
 @custom_op("fastft::ssd_pack_backward")
 def pack_backward_op(
     x: torch.Tensor,
-    step: torch.Tensor,
+    dt: torch.Tensor,
     A: torch.Tensor,
     slot: torch.Tensor,
     dx_dt: torch.Tensor,
     da: torch.Tensor,
-    dx_skip: Optional[torch.Tensor],  # noqa: UP045  (torch.library.custom_op reads it: Optional spelled out)
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``kernels.ssd.pack_backward``: (dx in x's dtype, dstep fp32, dA fp32)."""
+    dx_skip: Optional[torch.Tensor],  # noqa: UP045
+    dt_bias: Optional[torch.Tensor],  # noqa: UP045
+    dt_softplus: bool,
+    dt_low: float,
+    dt_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.ssd.pack_backward``: (dx in x's dtype, ddt in dt's dtype, dA fp32, dt_bias's gradient fp32 or
+    empty)."""
     from .kernels import ssd as kernels
 
-    return kernels.pack_backward(x, step, A, slot, dx_dt, da, dx_skip)
+    return kernels.pack_backward(x, dt, A, slot, dx_dt, da, dx_skip, dt_bias, dt_softplus, (dt_low, dt_high))
 
 
 @pack_backward_op.register_fake
-def _(x, step, A, slot, dx_dt, da, dx_skip):
+def _(x, dt, A, slot, dx_dt, da, dx_skip, dt_bias, dt_softplus, dt_low, dt_high):
     f32 = torch.float32
-    return x.new_empty(x.shape), step.new_empty(step.shape, dtype=f32), A.new_empty(A.shape, dtype=f32)
+    dbias = A.new_empty(A.shape if dt_bias is not None else (0,), dtype=f32)
+    return x.new_empty(x.shape), dt.new_empty(dt.shape), A.new_empty(A.shape, dtype=f32), dbias
 
 
 @custom_op("fastft::ssd_unpack_forward")
@@ -465,15 +479,16 @@ def _(db, dc, slot, b_dtype, c_dtype):
 # ---- the op's Triton path --------------------------------------------------------------------------------------
 
 
-def _on_triton(x, step, A, B, C, D, z, table: ChunkTable) -> torch.Tensor:
-    """``packed_ssd_scan``'s output ``[N, H, P]`` in x's dtype on Triton, for x ``[N, H, P]``, the discretized
-    step ``[N, H]`` fp32, z ``[N, H, P]`` or None and the op's other arguments (B and C ``[B, T, G, N]``)."""
+def _on_triton(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, table: ChunkTable) -> torch.Tensor:
+    """``packed_ssd_scan``'s output ``[N, H, P]`` in x's dtype on Triton, for x ``[N, H, P]``, dt ``[N, H]``
+    (before its discretization), z ``[N, H, P]`` or None and the op's other arguments (B and C ``[B, T, G, N]``)."""
     n = x.shape[0]
     g, state_size = B.shape[-2:]
     b, c = (v.reshape(n, g, state_size) for v in (B, C))
     exact = all(v.dtype in (torch.bfloat16, torch.float16) for v in (B, C))  # their fp32 copies are exact in TF32
     D = None if D is None else D.float()
-    return _TritonScan.apply(x, step, A.float(), b, c, D, z, table.token_index, table.slot, table.first, exact)
+    step = (dt_bias, dt_softplus, *dt_limit)
+    return _TritonScan.apply(x, dt, A.float(), b, c, D, z, table.token_index, table.slot, table.first, exact, *step)
 
 
 class _TritonScan(torch.autograd.Function):
@@ -481,31 +496,36 @@ class _TritonScan(torch.autograd.Function):
     specification): the tokens into the chunk layout's slots (``pack_forward_op``: ``x * step`` and ``step * A``),
     the chunked algorithm (``_chunks_forward``), the slots back to the tokens with the skip and the gate
     (``unpack_forward_op``). x's gradient is summed in fp32 over its two uses (``x * step`` and ``D * x``) and
-    rounded once to x's dtype. B and C go into the slots and their gradients back (``bc_pack_forward_op``,
-    ``bc_pack_backward_op``). Inputs: x ``[N, H, P]`` and z (or None) in their dtypes, step ``[N, H]``, A
-    ``[H]``, B and C ``[N, G, N]`` in their dtypes, D (or None) fp32, the chunk table's token_index, slot and
-    first, and whether B and C are exact in TF32 (16-bit inputs)."""
+    rounded once to x's dtype. The step's discretization runs inside the tokens' pass (and its gradient inside the
+    pass back). B and C go into the slots and their gradients back (``bc_pack_forward_op``,
+    ``bc_pack_backward_op``). Inputs: x ``[N, H, P]`` and z (or None) in their dtypes, dt ``[N, H]`` (before its
+    bias, softplus and clamp), A ``[H]`` fp32, B and C ``[N, G, N]`` in their dtypes, D (or None) fp32, the
+    chunk table's token_index, slot and first, whether B and C are exact in TF32 (16-bit inputs), dt_bias (or
+    None), dt_softplus and dt_limit's two ends."""
 
     @staticmethod
-    def forward(ctx, x, step, A, B, C, D, z, token_index, slot, first, bc_exact):
-        x_dt, a = pack_forward_op(x, step, A, token_index)
+    def forward(ctx, x, dt, A, B, C, D, z, token_index, slot, first, bc_exact, dt_bias, softplus, low, high):
+        x_dt, a = pack_forward_op(x, dt, A, token_index, dt_bias, softplus, low, high)
         b, c = bc_pack_forward_op(B, C, token_index)
         y, decay, states = _chunks_forward(x_dt, a, b, c, first, bc_exact)
-        ctx.args = (bc_exact, B.dtype, C.dtype)
+        ctx.args = (bc_exact, B.dtype, C.dtype, softplus, low, high)
         keep = y if z is not None else None  # dz reads the output before the gate
-        ctx.save_for_backward(x, step, A, b, c, D, z, token_index, slot, first, x_dt, a, decay, states, keep)
+        ctx.save_for_backward(x, dt, A, b, c, D, z, token_index, slot, first, x_dt, a, decay, states, keep, dt_bias)
         return unpack_forward_op(y, x, slot, D, z)
 
     @staticmethod
     def backward(ctx, dout):
         with torch.autocast(dout.device.type, enabled=False):  # fp32, as the forward (autocast is off there)
-            x, step, A, b, c, D, z, token_index, slot, first, x_dt, a, decay, states, y = ctx.saved_tensors
-            bc_exact, b_dtype, c_dtype = ctx.args
+            x, dt, A, b, c, D, z, token_index, slot, first, x_dt, a, decay, states, y, dt_bias = ctx.saved_tensors
+            bc_exact, b_dtype, c_dtype, softplus, low, high = ctx.args
             dy, dx_skip, dD, dz = unpack_backward_op(dout, y, x, token_index, D, z)
             dx_dt, da, db, dc = _chunks_backward(x_dt, a, b, c, first, decay, states, dy, bc_exact)
-            dx, dstep, dA = pack_backward_op(x, step, A, slot, dx_dt, da, None if D is None else dx_skip)
+            skip = None if D is None else dx_skip
+            dx, ddt, dA, dbias = pack_backward_op(x, dt, A, slot, dx_dt, da, skip, dt_bias, softplus, low, high)
             dB, dC = bc_pack_backward_op(db, dc, slot, b_dtype, c_dtype)
-        return dx, dstep, dA, dB, dC, None if D is None else dD, None if z is None else dz, None, None, None, None
+        dD, dz = None if D is None else dD, None if z is None else dz
+        dbias = None if dt_bias is None else dbias.to(dt_bias.dtype)
+        return dx, ddt, dA, dB, dC, dD, dz, None, None, None, None, dbias, None, None, None
 
 
 def _chunks_forward(x, a, b, c, first, bc_exact=False):

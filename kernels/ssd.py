@@ -42,6 +42,8 @@ fp32 math throughout; the intra-chunk products on tensor cores in 3xTF32 where t
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -905,9 +907,31 @@ def _rows(p_block: int) -> int:
 
 
 @triton.jit
+def _step(dt_ptr, bias_ptr, tok, h, H, mask, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, low, high):
+    """(the step ``clamp(softplus(dt + bias), low, high)`` fp32, d step / d dt) of tokens ``tok`` of head h, as
+    ``fastft.reference.ssd.discretize`` and its autograd: softplus is x past 20 (gradient 1), else
+    ``log1p(exp(x))`` (gradient ``e / (e + 1)``); the clamp passes the gradient where low <= step <= high."""
+    v = tl.load(dt_ptr + tok * H + h, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        v += tl.load(bias_ptr + h).to(tl.float32)
+    grad = tl.full(v.shape, 1.0, tl.float32)
+    if SOFTPLUS:
+        e = tl.exp(tl.minimum(v, 20.0))
+        u = 1.0 + e
+        # log1p(e) to an ulp or two: log(u) * e / (u - 1) (Kahan), e itself where 1 + e rounds to 1
+        ones = u == 1.0
+        sp = tl.where(ones, e, tl.log(u) * (e / tl.where(ones, 1.0, u - 1.0)))
+        grad = tl.where(v > 20.0, 1.0, e / (e + 1.0))
+        v = tl.where(v > 20.0, v, sp)
+    grad = tl.where((v >= low) & (v <= high), grad, 0.0)
+    return tl.minimum(tl.maximum(v, low), high), grad
+
+
+@triton.jit
 def _pack_forward_kernel(
     x_ptr,
-    step_ptr,
+    dt_ptr,
+    bias_ptr,
     A_ptr,
     index_ptr,
     xdt_ptr,
@@ -918,55 +942,68 @@ def _pack_forward_kernel(
     P,
     stride_xt,
     stride_xh,
+    low,
+    high,
+    HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
     BS: tl.constexpr,
     BP: tl.constexpr,
 ):
-    """A block of one head's slots: ``x_dt = x * step`` and ``a = step * A`` of each slot's token, 0 where empty."""
+    """A block of one head's slots: with each slot's token's step (``_step``), ``x_dt = x * step`` and ``a = step
+    * A``, 0 where empty."""
     i_s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     os, op = i_s * BS + tl.arange(0, BS), tl.arange(0, BP)
     ms, mp = os < S, op < P
     tok = tl.load(index_ptr + os, mask=ms, other=N)
     full = tok < N
-    step = tl.load(step_ptr + tok * H + h, mask=full, other=0.0)
+    step, _ = _step(dt_ptr, bias_ptr, tok, h, H, full, HAS_BIAS, SOFTPLUS, low, high)
+    step = tl.where(full, step, 0.0)
     x = tl.load(
         x_ptr + tok[:, None] * stride_xt + h * stride_xh + op[None, :], mask=full[:, None] & mp[None, :], other=0.0
     ).to(tl.float32)
     tl.store(xdt_ptr + (h * S + os)[:, None] * P + op[None, :], x * step[:, None], mask=ms[:, None] & mp[None, :])
-    tl.store(a_ptr + h * S + os, tl.where(full, step * tl.load(A_ptr + h), 0.0), mask=ms)
+    tl.store(a_ptr + h * S + os, step * tl.load(A_ptr + h), mask=ms)
 
 
 @triton.jit
 def _pack_backward_kernel(
     x_ptr,
-    step_ptr,
+    dt_ptr,
+    bias_ptr,
     A_ptr,
     slot_ptr,
     dxdt_ptr,
     da_ptr,
     dskip_ptr,
     dx_ptr,
-    dstep_ptr,
+    ddt_ptr,
     dA_ptr,
+    dbias_ptr,
     N,
     S,
     H,
     P,
     stride_xt,
     stride_xh,
+    low,
+    high,
+    HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
     HAS_SKIP: tl.constexpr,
     BT: tl.constexpr,
     BP: tl.constexpr,
 ):
-    """A block of one head's tokens: dx (plus the skip's share, fp32, rounded once to x's dtype), dstep, and the
-    block's share of dA."""
+    """A block of one head's tokens: dx (plus the skip's share, fp32, rounded once to x's dtype), ddt (through the
+    step's discretization, in dt's dtype), and the block's shares of dA and of the bias's gradient."""
     i_t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     ot, op = i_t * BT + tl.arange(0, BT), tl.arange(0, BP)
     mt, mp = ot < N, op < P
     m = mt[:, None] & mp[None, :]
     slot = tl.load(slot_ptr + ot, mask=mt, other=0)
-    step = tl.load(step_ptr + ot * H + h, mask=mt, other=0.0)
+    step, dstep_ddt = _step(dt_ptr, bias_ptr, ot, h, H, mt, HAS_BIAS, SOFTPLUS, low, high)
+    step = tl.where(mt, step, 0.0)
     dxdt = tl.load(dxdt_ptr + (h * S + slot)[:, None] * P + op[None, :], mask=m, other=0.0)
     x = tl.load(x_ptr + ot[:, None] * stride_xt + h * stride_xh + op[None, :], mask=m, other=0.0).to(tl.float32)
     dx = dxdt * step[:, None]
@@ -975,8 +1012,11 @@ def _pack_backward_kernel(
         dx += tl.load(dskip_ptr + tp, mask=m, other=0.0)
     tl.store(dx_ptr + tp, dx.to(dx_ptr.dtype.element_ty), mask=m)
     da = tl.load(da_ptr + h * S + slot, mask=mt, other=0.0)
-    tl.store(dstep_ptr + ot * H + h, tl.sum(dxdt * x, 1) + da * tl.load(A_ptr + h), mask=mt)
+    ddt = (tl.sum(dxdt * x, 1) + da * tl.load(A_ptr + h)) * dstep_ddt
+    tl.store(ddt_ptr + ot * H + h, ddt.to(ddt_ptr.dtype.element_ty), mask=mt)
     tl.store(dA_ptr + i_t * H + h, tl.sum(da * step, 0))
+    if HAS_BIAS:
+        tl.store(dbias_ptr + i_t * H + h, tl.sum(tl.where(mt, ddt, 0.0), 0))
 
 
 @triton.jit
@@ -1133,14 +1173,23 @@ def _unit_inner(v: torch.Tensor) -> torch.Tensor:
     return v if v.stride(-1) == 1 else v.contiguous()
 
 
-def _check_tokens(x: torch.Tensor, step: torch.Tensor | None = None, A: torch.Tensor | None = None) -> None:
+def _check_tokens(x: torch.Tensor, dt: torch.Tensor | None = None, A: torch.Tensor | None = None) -> None:
     if x.dim() != 3:
         raise ValueError(f"x must be [N, H, P], got shape {tuple(x.shape)}")
     n, h, _ = x.shape
-    if step is not None and step.shape != (n, h):
-        raise ValueError(f"step must be [N, H] = {(n, h)}, got {tuple(step.shape)}")
+    if dt is not None and dt.shape != (n, h):
+        raise ValueError(f"dt must be [N, H] = {(n, h)}, got {tuple(dt.shape)}")
     if A is not None and A.shape != (h,):
         raise ValueError(f"A must be [H] = {(h,)}, got {tuple(A.shape)}")
+
+
+def _check_discretization(h: int, dt_bias: torch.Tensor | None, dt_limit) -> tuple[float, float]:
+    if dt_bias is not None and dt_bias.shape != (h,):
+        raise ValueError(f"dt_bias must be [H] = {(h,)}, got {tuple(dt_bias.shape)}")
+    low, high = (float(v) for v in dt_limit)
+    if not low <= high:
+        raise ValueError(f"dt_limit must have low <= high, got {dt_limit!r}")
+    return low, high
 
 
 def _check_slots(name: str, v: torch.Tensor, x: torch.Tensor) -> None:
@@ -1158,16 +1207,24 @@ def _check_skip(x: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None)
 
 
 def pack_forward(
-    x: torch.Tensor, step: torch.Tensor, A: torch.Tensor, token_index: torch.Tensor
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    token_index: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens into the chunk layout's slots (``fastft.delta_rule.ChunkTable``): for x ``[N, H, P]`` (any
-    floating dtype, read as is), the discretized step ``[N, H]``, A ``[H]`` and ``token_index`` ``[NC, C]`` (each
-    slot's token, N where empty), fp32 (x_dt ``[H, NC, C, P]`` = ``x * step``, a ``[H, NC, C]`` = ``step * A``)
-    of each slot's token, 0 in the empty slots."""
-    _check_tokens(x, step, A)
+    floating dtype, read as is), dt ``[N, H]`` (any floating dtype), A ``[H]`` and ``token_index`` ``[NC, C]``
+    (each slot's token, N where empty), with each token's step ``clamp(softplus(dt + dt_bias), *dt_limit)``
+    (softplus with ``dt_softplus``; ``fastft.reference.ssd.discretize``), fp32 (x_dt ``[H, NC, C, P]`` = ``x *
+    step``, a ``[H, NC, C]`` = ``step * A``) of each slot's token, 0 in the empty slots."""
+    _check_tokens(x, dt, A)
     if token_index.dim() != 2:
         raise ValueError(f"token_index must be [NC, C], got shape {tuple(token_index.shape)}")
     n, h, p = x.shape
+    low, high = _check_discretization(h, dt_bias, dt_limit)
     nc, cs = token_index.shape
     x = _unit_inner(x)
     x_dt = x.new_empty(h, nc, cs, p, dtype=torch.float32)
@@ -1176,11 +1233,13 @@ def pack_forward(
         return x_dt, a
     bp = next_power_of_2(p)
     bs = _rows(bp)
+    dt = dt.contiguous()
     launch(
         _pack_forward_kernel,
         (cdiv(nc * cs, bs), h),
         x,
-        step.float().contiguous(),
+        dt,
+        dt if dt_bias is None else dt_bias.contiguous(),  # dt stands in for an absent bias (not read)
         A.float().contiguous(),
         token_index.contiguous(),
         x_dt,
@@ -1191,6 +1250,10 @@ def pack_forward(
         p,
         x.stride(0),
         x.stride(1),
+        low,
+        high,
+        HAS_BIAS=dt_bias is not None,
+        SOFTPLUS=bool(dt_softplus),
         BS=bs,
         BP=bp,
         num_warps=4,
@@ -1200,20 +1263,25 @@ def pack_forward(
 
 def pack_backward(
     x: torch.Tensor,
-    step: torch.Tensor,
+    dt: torch.Tensor,
     A: torch.Tensor,
     slot: torch.Tensor,
     dx_dt: torch.Tensor,
     da: torch.Tensor,
     dx_skip: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``pack_forward``'s backward, with ``slot`` ``[N]`` (each token's slot, chunk * C + j): from the slots'
-    gradients dx_dt ``[H, NC, C, P]`` and da ``[H, NC, C]``, (dx ``[N, H, P]`` in x's dtype, dstep ``[N, H]``
-    fp32, dA ``[H]`` fp32). ``dx_skip`` (fp32 ``[N, H, P]`` or None): x's gradient from elsewhere, added to dx
-    before the one rounding to x's dtype."""
-    _check_tokens(x, step, A)
+    gradients dx_dt ``[H, NC, C, P]`` and da ``[H, NC, C]``, (dx ``[N, H, P]`` in x's dtype, ddt ``[N, H]`` in
+    dt's dtype (through the discretization), dA ``[H]`` fp32, dt_bias's gradient ``[H]`` fp32, empty without
+    one). ``dx_skip`` (fp32 ``[N, H, P]`` or None): x's gradient from elsewhere, added to dx before the one
+    rounding to x's dtype."""
+    _check_tokens(x, dt, A)
     _check_slots("dx_dt", dx_dt, x)
     n, h, p = x.shape
+    low, high = _check_discretization(h, dt_bias, dt_limit)
     nc, cs = dx_dt.shape[1:3]
     if slot.shape != (n,):
         raise ValueError(f"slot must be [N] = {(n,)}, got {tuple(slot.shape)}")
@@ -1223,39 +1291,48 @@ def pack_backward(
         raise ValueError(f"dx_skip must be x's shape {tuple(x.shape)}, got {tuple(dx_skip.shape)}")
     x = _unit_inner(x)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dstep = x.new_empty(n, h, dtype=torch.float32)
+    ddt = torch.empty(dt.shape, dtype=dt.dtype, device=dt.device)
+    no_bias = x.new_empty(0, dtype=torch.float32)
     if n * h == 0:
-        return dx, dstep, x.new_zeros(h, dtype=torch.float32)
+        dbias = no_bias if dt_bias is None else x.new_zeros(h, dtype=torch.float32)
+        return dx, ddt, x.new_zeros(h, dtype=torch.float32), dbias
     bp = next_power_of_2(p)
     bt = _rows(bp)
     blocks = cdiv(n, bt)
     dA = x.new_empty(blocks, h, dtype=torch.float32)
-    step = step.float().contiguous()
+    dbias = x.new_empty((blocks, h) if dt_bias is not None else (0,), dtype=torch.float32)
+    dt = dt.contiguous()
     launch(
         _pack_backward_kernel,
         (blocks, h),
         x,
-        step,
+        dt,
+        dt if dt_bias is None else dt_bias.contiguous(),
         A.float().contiguous(),
         slot.contiguous(),
         dx_dt.float().contiguous(),
         da.float().contiguous(),
-        step if dx_skip is None else dx_skip.float().contiguous(),
+        dA if dx_skip is None else dx_skip.float().contiguous(),  # dA stands in for an absent skip (not read)
         dx,
-        dstep,
+        ddt,
         dA,
+        dbias,
         n,
         nc * cs,
         h,
         p,
         x.stride(0),
         x.stride(1),
+        low,
+        high,
+        HAS_BIAS=dt_bias is not None,
+        SOFTPLUS=bool(dt_softplus),
         HAS_SKIP=dx_skip is not None,
         BT=bt,
         BP=bp,
         num_warps=4,
     )
-    return dx, dstep, dA.sum(0)
+    return dx, ddt, dA.sum(0), dbias.sum(0) if dt_bias is not None else no_bias
 
 
 def unpack_forward(

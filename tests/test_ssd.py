@@ -533,7 +533,7 @@ def test_pack_kernels_match_torch(device, rng, dtype, skip):
     if skip:
         want[0] = want[0] + dskip
     got = kernels.pack_backward(x, step.detach(), A.detach(), table.slot, dxdt, da, dskip)
-    assert got[0].dtype == dtype and got[1].dtype == got[2].dtype == torch.float32
+    assert got[0].dtype == dtype and got[1].dtype == got[2].dtype == torch.float32 and got[3].numel() == 0
     for name, u, e in zip(("dx", "dstep", "dA"), got, want):
         assert u.shape == e.shape, name
         assert_rounded_close(u, e, name)
@@ -566,6 +566,47 @@ def test_bc_pack_kernels_match_torch(device, rng, dtype, ns):
             assert torch.equal(u, e.to(u.dtype)), name
         else:  # Triton's interpreter rounds fp32 to 16 bits toward zero
             torch.testing.assert_close(u, e.to(u.dtype), msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "bias, softplus, limit",
+    [
+        (True, True, (0.0, math.inf)),
+        (False, True, (0.05, 0.6)),
+        (True, False, (-0.3, 0.4)),
+        (False, False, (0.0, math.inf)),
+    ],
+)
+def test_pack_kernels_discretize_as_the_reference(device, rng, dtype, bias, softplus, limit):
+    """The step discretized inside the tokens' pass (``dt + dt_bias``, softplus with its threshold at 20, the
+    clamp) and its gradient inside the pass back, against ``reference.ssd.discretize`` and its autograd: dt in
+    its own dtype (the gradient rounded once to it), values past softplus's threshold, far below 0 (its log1p)
+    and clamped at either end."""
+    from fastft.kernels import ssd as kernels
+
+    lengths, c = GLUE_LENGTHS
+    h, p = 3, 5
+    table, x, _, A = glue_inputs(rng, lengths, c, h, p, torch.float32, device)
+    n = x.shape[0]
+    dt = (torch.randn(n, h, generator=rng) * 4).to(device, dtype)
+    dt[:4] = torch.tensor([25.0, 20.5, -30.0, -12.0], device=device, dtype=dtype)[:, None]
+    dt_bias = (torch.randn(h, generator=rng) * 0.5).to(device).requires_grad_() if bias else None
+    leaves = [v for v in (dt.float().requires_grad_(), A.clone().requires_grad_(), dt_bias) if v is not None]
+    step = reference.discretize(leaves[0], dt_bias, softplus, limit)
+    want = (slots_torch(x * step[..., None], table), slots_torch((step * leaves[1])[..., None], table).squeeze(-1))
+    args = (dt_bias if dt_bias is None else dt_bias.detach(), softplus, limit)
+    got = kernels.pack_forward(x, dt, A, table.token_index, *args)
+    for name, u, e in zip(("x_dt", "a"), got, want):
+        assert_close_to(u, e, name)
+    dxdt, da = (torch.randn(v.shape, generator=rng).to(device) for v in want)
+    want = torch.autograd.grad(want, leaves, (dxdt, da))
+    dx, ddt, dA, dbias = kernels.pack_backward(x, dt, A, table.slot, dxdt, da, None, *args)
+    assert ddt.dtype == dtype and dbias.numel() == (h if bias else 0)
+    assert_rounded_close(ddt, want[0], "ddt")
+    assert_close_to(dA, want[1], "dA")
+    if bias:
+        assert_close_to(dbias, want[2], "ddt_bias")
 
 
 def unpack_torch(y, x, slot, D, z):
@@ -620,11 +661,14 @@ def test_glue_ops_pass_opcheck(device, rng):
     table, x, step, A = glue_inputs(rng, [5, 2], 4, 2, 3, torch.bfloat16, device)
     n, h, p = x.shape
     x = x.contiguous()
-    torch.library.opcheck(pack_forward_op.op, (x, step, A, table.token_index))
-    x_dt, a = pack_forward_op(x, step, A, table.token_index)
+    bias = torch.randn(h, generator=rng).to(device)
+    for dt_bias, softplus in ((None, False), (bias, True)):
+        torch.library.opcheck(pack_forward_op.op, (x, step, A, table.token_index, dt_bias, softplus, 0.0, math.inf))
+    x_dt, a = pack_forward_op(x, step, A, table.token_index, bias, True, 0.0, 1.0)
     dskip = torch.randn(x.shape, generator=rng).to(device)
-    for skip in (None, dskip):
-        torch.library.opcheck(pack_backward_op.op, (x, step, A, table.slot, torch.randn_like(x_dt), a, skip))
+    for skip, dt_bias in ((None, None), (dskip, bias)):
+        args = (x, step, A, table.slot, torch.randn_like(x_dt), a, skip, dt_bias, True, 0.0, 1.0)
+        torch.library.opcheck(pack_backward_op.op, args)
     z = torch.randn(x.shape, generator=rng).to(device, x.dtype)
     for D, gate in ((torch.randn(h, generator=rng).to(device), z), (None, None)):
         torch.library.opcheck(unpack_forward_op.op, (x_dt, x, table.slot, D, gate))
@@ -640,7 +684,7 @@ def test_glue_kernels_refuse_mismatched_shapes(device, rng):
     from fastft.kernels import ssd as kernels
 
     table, x, step, A = glue_inputs(rng, [5, 2], 4, 2, 3, torch.float32, device)
-    with pytest.raises(ValueError, match=r"step must be \[N, H\]"):
+    with pytest.raises(ValueError, match=r"dt must be \[N, H\]"):
         kernels.pack_forward(x, step[:, :1], A, table.token_index)
     with pytest.raises(ValueError, match=r"A must be \[H\]"):
         kernels.pack_forward(x, step, A[:1], table.token_index)
