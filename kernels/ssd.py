@@ -31,7 +31,8 @@ state's columns (partial sums over slices and blocks added after, no atomics).
 
 ``pack_forward`` / ``unpack_forward`` move the tokens into the chunk layout's slots and back (the layout of
 ``fastft.delta_rule.ChunkTable``: ``token_index`` gives each slot's token, ``slot`` each token's slot): x in its
-own dtype times the step (and ``step * A``) into the slots, 0 in the empty ones; the output back to the tokens
+own dtype times the step (discretized there from dt: bias, softplus, clamp), and ``step * A``, into the slots, 0
+in the empty ones (``bc_pack_forward``: B and C, a program per group); the output back to the tokens
 with the skip ``D x`` and the gate ``silu(z)`` applied, in x's dtype; and their backwards. ``pack_forward`` and
 ``unpack_backward`` walk the slots (the empty ones get their zeros there), ``pack_backward`` and
 ``unpack_forward`` the tokens; a program owns a block of rows of one head, its share of the sums over tokens
