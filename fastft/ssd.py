@@ -487,8 +487,8 @@ def _on_triton(x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, table: Chun
     b, c = (v.reshape(n, g, state_size) for v in (B, C))
     exact = all(v.dtype in (torch.bfloat16, torch.float16) for v in (B, C))  # their fp32 copies are exact in TF32
     D = None if D is None else D.float()
-    step = (dt_bias, dt_softplus, *dt_limit)
-    return _TritonScan.apply(x, dt, A.float(), b, c, D, z, table.token_index, table.slot, table.first, exact, *step)
+    tables = (table.token_index, table.slot, table.first)
+    return _TritonScan.apply(x, dt, A.float(), b, c, D, z, *tables, exact, dt_bias, dt_softplus, *dt_limit)
 
 
 class _TritonScan(torch.autograd.Function):
