@@ -29,6 +29,11 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def unit_inner(v: torch.Tensor) -> torch.Tensor:
+    """``v`` with unit stride along its last dimension (kernels take the others as strides)."""
+    return v if v.stride(-1) == 1 else v.contiguous()
+
+
 @functools.cache
 def dot_precision(device: torch.device) -> str:
     """``tl.dot``'s fp32 precision on ``device``: 3xTF32 where tensor cores take TF32 (CUDA, sm80 on), IEEE fp32

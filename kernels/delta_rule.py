@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, dot_precision, launch, next_power_of_2
+from ._launch import cdiv, dot_precision, launch, next_power_of_2, unit_inner
 
 
 @triton.jit
@@ -879,11 +879,6 @@ def _unpack_backward_kernel(
     tl.store(do_ptr + (h * S + os)[:, None] * DV + ov[None, :], d.to(tl.float32), mask=ms[:, None] & mv)
 
 
-def _unit_inner(v: torch.Tensor) -> torch.Tensor:
-    """``v`` with unit stride along its last dimension (the kernels take the others as strides)."""
-    return v if v.stride(-1) == 1 else v.contiguous()
-
-
 def _check_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 3 or k.shape != q.shape:
         raise ValueError(f"q and k must be [N, H, Dk] alike, got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -914,7 +909,7 @@ def pack_forward(
     if token_index.dim() != 2:
         raise ValueError(f"token_index must be [NC, C], got shape {tuple(token_index.shape)}")
     nc, cs = token_index.shape
-    q, k, v = (_unit_inner(x) for x in (q, k, v))
+    q, k, v = (unit_inner(x) for x in (q, k, v))
     f32 = torch.float32
     query, key = (q.new_empty(h, nc, cs, dk, dtype=f32) for _ in range(2))
     value = q.new_empty(h, nc, cs, dv, dtype=f32)
@@ -995,7 +990,7 @@ def pack_backward(
     )
     if n * h == 0:
         return out
-    q, k = _unit_inner(q), _unit_inner(k)
+    q, k = unit_inner(q), unit_inner(k)
     bk, bv = next_power_of_2(dk), next_power_of_2(dv_width)
     bt = _rows(max(bk, bv))
     launch(
@@ -1069,7 +1064,7 @@ def unpack_backward(dout: torch.Tensor, token_index: torch.Tensor) -> torch.Tens
     d = dout.new_empty(h, nc, cs, dv, dtype=torch.float32)
     if h * nc * cs == 0:
         return d
-    dout = _unit_inner(dout)
+    dout = unit_inner(dout)
     bv = next_power_of_2(dv)
     bs = _rows(bv)
     launch(

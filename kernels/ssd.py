@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, dot_precision, launch, next_power_of_2
+from ._launch import cdiv, dot_precision, launch, next_power_of_2, unit_inner
 
 
 @triton.jit
@@ -1169,11 +1169,6 @@ def _bc_pack_backward_kernel(db_ptr, dc_ptr, slot_ptr, dB_ptr, dC_ptr, N, S, G, 
     tl.store(dC_ptr + tp, tl.load(dc_ptr + sp, mask=m, other=0.0).to(dC_ptr.dtype.element_ty), mask=m)
 
 
-def _unit_inner(v: torch.Tensor) -> torch.Tensor:
-    """``v`` with unit stride along its last dimension (the kernels take the others as strides)."""
-    return v if v.stride(-1) == 1 else v.contiguous()
-
-
 def _check_tokens(x: torch.Tensor, dt: torch.Tensor | None = None, A: torch.Tensor | None = None) -> None:
     if x.dim() != 3:
         raise ValueError(f"x must be [N, H, P], got shape {tuple(x.shape)}")
@@ -1227,7 +1222,7 @@ def pack_forward(
     n, h, p = x.shape
     low, high = _check_discretization(h, dt_bias, dt_limit)
     nc, cs = token_index.shape
-    x = _unit_inner(x)
+    x = unit_inner(x)
     x_dt = x.new_empty(h, nc, cs, p, dtype=torch.float32)
     a = x.new_empty(h, nc, cs, dtype=torch.float32)
     if h * nc * cs == 0:
@@ -1290,7 +1285,7 @@ def pack_backward(
         raise ValueError(f"da must be [H, NC, C] = {tuple(dx_dt.shape[:3])}, got {tuple(da.shape)}")
     if dx_skip is not None and dx_skip.shape != x.shape:
         raise ValueError(f"dx_skip must be x's shape {tuple(x.shape)}, got {tuple(dx_skip.shape)}")
-    x = _unit_inner(x)
+    x = unit_inner(x)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     ddt = torch.empty(dt.shape, dtype=dt.dtype, device=dt.device)
     no_bias = x.new_empty(0, dtype=torch.float32)
@@ -1352,11 +1347,11 @@ def unpack_forward(
     n, h, p = x.shape
     if slot.shape != (n,):
         raise ValueError(f"slot must be [N] = {(n,)}, got {tuple(slot.shape)}")
-    x = _unit_inner(x)
+    x = unit_inner(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if n * h == 0:
         return out
-    gate = x if z is None else _unit_inner(z)  # x stands in for an absent z (not read)
+    gate = x if z is None else unit_inner(z)  # x stands in for an absent z (not read)
     bp = next_power_of_2(p)
     bt = _rows(bp)
     launch(
@@ -1413,7 +1408,7 @@ def unpack_backward(
         _check_slots("y", y, x)
         if y.shape[1:3] != (nc, cs):
             raise ValueError(f"y must be [H, NC, C, P] with token_index's [NC, C] = {(nc, cs)}, got {tuple(y.shape)}")
-    x, dout = _unit_inner(x), _unit_inner(dout)
+    x, dout = unit_inner(x), unit_inner(dout)
     f32 = torch.float32
     dy = x.new_empty(h, nc, cs, p, dtype=f32)
     dx = x.new_empty(x.shape if D is not None else (0,), dtype=f32)
@@ -1424,7 +1419,7 @@ def unpack_backward(
     dD = x.new_empty((blocks, h, p) if D is not None else (0,), dtype=f32)
     if h * nc * cs == 0:
         return dy, dx, x.new_zeros(D.shape if D is not None else (0,), dtype=f32), dz
-    gate = x if z is None else _unit_inner(z)  # x stands in for an absent z (not read)
+    gate = x if z is None else unit_inner(z)  # x stands in for an absent z (not read)
     launch(
         _unpack_backward_kernel,
         (blocks, h),
@@ -1470,7 +1465,7 @@ def bc_pack_forward(B: torch.Tensor, C: torch.Tensor, token_index: torch.Tensor)
         raise ValueError(f"token_index must be [NC, C], got shape {tuple(token_index.shape)}")
     n, g, ns = B.shape
     nc, cs = token_index.shape
-    B, C = _unit_inner(B), _unit_inner(C)
+    B, C = unit_inner(B), unit_inner(C)
     b, c = (B.new_empty(g, nc, cs, ns, dtype=torch.float32) for _ in range(2))
     if g * nc * cs == 0:
         return b, c
